@@ -1,0 +1,15 @@
+// MoE router (kimi-k3.md section 2), FP32:
+//   s = sigmoid(logits);  chosen = top-k of (s + bias) (the bias steers the choice only;
+//   ties to the lower expert index; chosen listed by biased score descending)
+//   w_i = s_i / (sum_{chosen} s + 1e-20) * scale   when renormalize, else s_i * scale
+#pragma once
+
+#include <cstdint>
+
+namespace k3::ops {
+
+// logits [T, E] FP32; bias [E] F32; idx [T, k]; w [T, k].
+void route(const float* logits, const float* bias, int64_t T, int E, int k, bool renormalize, float scale,
+           int32_t* idx, float* w);
+
+}  // namespace k3::ops

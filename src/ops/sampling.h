@@ -1,0 +1,18 @@
+// Token sampling from FP32 logits.
+//   greedy: argmax (ties to the lower token id).
+//   top_p:  probs = softmax(logits / temperature); keep the smallest set of tokens
+//           with the highest probabilities whose sum >= top_p (ties in probability
+//           to the lower id), renormalize, draw with u = rng.uniform().
+//           Seeded: the same (logits, params, rng state) always gives the same token.
+#pragma once
+
+#include <cstdint>
+
+#include "core/rng.h"
+
+namespace k3::ops {
+
+int32_t sample_greedy(const float* logits, int64_t vocab);
+int32_t sample_top_p(const float* logits, int64_t vocab, float temperature, float top_p, Rng& rng);
+
+}  // namespace k3::ops
