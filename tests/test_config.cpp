@@ -1,1 +1,445 @@
+// ModelConfig and LayerPlan against expectations written from kimi-k3.md
+// sections 1-3 (not from the code under test): layer kinds, AttnRes block
+// bookkeeping, the parameter count from the checkpoint shapes, and rejection
+// of missing or inconsistent keys.
 #include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cctype>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "config/model_config.h"
+#include "config/schema.h"
+#include "core/error.h"
+
+namespace {
+
+using nlohmann::json;
+using k3::AttnKind;
+using k3::FfnKind;
+
+const std::string kK3 = std::string(K3_SHARED_DIR) + "/spec/configs/kimi-k3.config.json";
+const std::string kK31 = std::string(K3_SHARED_DIR) + "/spec/configs/kimi-k3.1.config.json";
+
+json load(const std::string& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << path;
+  return json::parse(in);
+}
+
+// Message of the k3::Error that f throws ("" and a failure when it throws nothing or something else).
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const k3::Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "not a k3::Error: " << e.what();
+    return "";
+  }
+  ADD_FAILURE() << "no error thrown";
+  return "";
+}
+
+// `key` appears in msg as a whole key, not inside a longer one (num_experts vs num_experts_per_token,
+// intermediate_size vs moe_intermediate_size).
+bool mentions_key(const std::string& msg, const std::string& key) {
+  auto ident = [](char ch) { return std::isalnum(static_cast<unsigned char>(ch)) || ch == '_'; };
+  for (size_t pos = msg.find(key); pos != std::string::npos; pos = msg.find(key, pos + 1)) {
+    const size_t after = pos + key.size();
+    if ((pos == 0 || !ident(msg[pos - 1])) && (after == msg.size() || !ident(msg[after]))) return true;
+  }
+  return false;
+}
+
+bool is_full_attention_k3(int l) { return (l + 1) % 4 == 0 || l + 1 == 93; }
+
+// ---------------------------------------------------------------- the shared configs
+
+TEST(ConfigShared, K3FieldsMatchTheSpec) {
+  const auto c = k3::ModelConfig::from_file(kK3);
+  EXPECT_EQ(c.hidden_size, 7168);
+  EXPECT_EQ(c.num_layers, 93);
+  EXPECT_EQ(c.vocab_size, 163840);
+  EXPECT_EQ(c.eos_token_id, 163586);
+  EXPECT_FLOAT_EQ(c.rms_norm_eps, 1e-5f);
+  EXPECT_FLOAT_EQ(c.situ_beta, 4.0f);
+  EXPECT_FLOAT_EQ(c.situ_linear_beta, 25.0f);
+  EXPECT_EQ(c.attn_res_block_size, 12);
+  EXPECT_EQ(c.dense_intermediate_size, 33792);
+  EXPECT_EQ(c.kda.num_heads, 96);
+  EXPECT_EQ(c.kda.head_dim, 128);
+  EXPECT_EQ(c.kda.conv_kernel, 4);
+  EXPECT_FLOAT_EQ(c.kda.gate_lower_bound, -5.0f);
+  EXPECT_TRUE(c.kda.use_full_rank_gate);
+  EXPECT_EQ(c.mla.num_heads, 96);
+  EXPECT_EQ(c.mla.q_lora_rank, 1536);
+  EXPECT_EQ(c.mla.kv_lora_rank, 512);
+  EXPECT_EQ(c.mla.qk_nope_head_dim, 128);
+  EXPECT_EQ(c.mla.qk_rope_head_dim, 64);
+  EXPECT_EQ(c.mla.v_head_dim, 128);
+  EXPECT_EQ(c.mla.cache_dim(), 576);
+  EXPECT_EQ(c.mla.qk_head_dim(), 192);
+  EXPECT_EQ(c.moe.num_experts, 896);
+  EXPECT_EQ(c.moe.experts_per_token, 16);
+  EXPECT_EQ(c.moe.num_shared_experts, 2);
+  EXPECT_EQ(c.moe.intermediate_size, 3072);
+  EXPECT_EQ(c.moe.latent_size, 3584);
+  EXPECT_EQ(c.moe.shared_intermediate(), 6144);
+  EXPECT_FLOAT_EQ(c.moe.routed_scaling_factor, 1.0f);
+  EXPECT_EQ(c.moe.first_k_dense_replace, 1);
+  EXPECT_EQ(c.moe.group_size, 32);
+  EXPECT_FALSE(c.is_dsa());
+  EXPECT_EQ(c.num_attn_res_blocks(), 8);
+}
+
+TEST(ConfigShared, K31HasDsa) {
+  const auto c = k3::ModelConfig::from_file(kK31);
+  ASSERT_TRUE(c.is_dsa());
+  EXPECT_EQ(c.dsa->index_n_heads, 32);
+  EXPECT_EQ(c.dsa->index_head_dim, 128);
+  EXPECT_EQ(c.dsa->index_topk, 2048);
+  EXPECT_EQ(c.hidden_size, 7168);
+  EXPECT_EQ(c.num_layers, 93);
+  EXPECT_EQ(c.moe.num_experts, 896);
+}
+
+void expect_k3_plan(const k3::ModelConfig& c, AttnKind full_kind) {
+  const auto plan = k3::LayerPlan::from(c);
+  ASSERT_EQ(plan.layers.size(), 93u);
+  EXPECT_EQ(plan.num_blocks, 8);
+  EXPECT_EQ(plan.count(AttnKind::KDA), 69);
+  EXPECT_EQ(plan.count(full_kind), 24);
+  EXPECT_EQ(plan.count(full_kind == AttnKind::MLA ? AttnKind::DSA : AttnKind::MLA), 0);
+  for (int l = 0; l < 93; ++l) {
+    const auto& li = plan.layers[l];
+    SCOPED_TRACE("layer " + std::to_string(l));
+    EXPECT_EQ(li.attn, is_full_attention_k3(l) ? full_kind : AttnKind::KDA);
+    EXPECT_EQ(c.attn_kinds[l], li.attn);
+    EXPECT_EQ(li.ffn, l == 0 ? FfnKind::Dense : FfnKind::MoE);
+    EXPECT_EQ(li.block_start, l % 12 == 0);
+    EXPECT_EQ(li.blocks_before_attn, static_cast<int>(std::ceil(l / 12.0)));
+    EXPECT_EQ(li.block_write_idx, l % 12 == 0 ? l / 12 : -1);
+    EXPECT_EQ(li.blocks_after_attn, static_cast<int>(std::ceil(l / 12.0)) + (l % 12 == 0 ? 1 : 0));
+  }
+  // The spec's own examples: (K K K M) x 22 then K K K M M.
+  for (int l : {0, 1, 2, 4, 88, 89, 90}) EXPECT_EQ(plan.layers[l].attn, AttnKind::KDA) << l;
+  for (int l : {3, 7, 87, 91, 92}) EXPECT_EQ(plan.layers[l].attn, full_kind) << l;
+  // Hand-checked AttnRes bookkeeping.
+  EXPECT_EQ(plan.layers[0].blocks_before_attn, 0);
+  EXPECT_EQ(plan.layers[0].block_write_idx, 0);
+  EXPECT_EQ(plan.layers[0].blocks_after_attn, 1);
+  EXPECT_EQ(plan.layers[1].blocks_before_attn, 1);
+  EXPECT_EQ(plan.layers[1].block_write_idx, -1);
+  EXPECT_EQ(plan.layers[1].blocks_after_attn, 1);
+  EXPECT_EQ(plan.layers[12].blocks_before_attn, 1);
+  EXPECT_EQ(plan.layers[12].block_write_idx, 1);
+  EXPECT_EQ(plan.layers[12].blocks_after_attn, 2);
+  EXPECT_EQ(plan.layers[84].blocks_before_attn, 7);
+  EXPECT_EQ(plan.layers[84].block_write_idx, 7);
+  EXPECT_EQ(plan.layers[84].blocks_after_attn, 8);
+  EXPECT_EQ(plan.layers[92].blocks_before_attn, 8);
+  EXPECT_EQ(plan.layers[92].block_write_idx, -1);
+  EXPECT_EQ(plan.layers[92].blocks_after_attn, 8);
+}
+
+TEST(ConfigLayerPlan, K3) { expect_k3_plan(k3::ModelConfig::from_file(kK3), AttnKind::MLA); }
+TEST(ConfigLayerPlan, K31) { expect_k3_plan(k3::ModelConfig::from_file(kK31), AttnKind::DSA); }
+
+TEST(ConfigLayerPlan, BareTextConfigParsesTheSame) {
+  const auto c = k3::ModelConfig::from_json(load(kK3).at("text_config"));
+  expect_k3_plan(c, AttnKind::MLA);
+}
+
+TEST(ConfigLayerPlan, KdaLayersListIsOptional) {
+  json j = load(kK3);
+  j["text_config"]["linear_attn_config"].erase("kda_layers");
+  expect_k3_plan(k3::ModelConfig::from_json(j), AttnKind::MLA);
+}
+
+TEST(ConfigLayerPlan, NoDenseLayerWhenFirstKDenseIsZero) {
+  json j = load(kK3);
+  j["text_config"]["first_k_dense_replace"] = 0;
+  const auto plan = k3::LayerPlan::from(k3::ModelConfig::from_json(j));
+  for (const auto& li : plan.layers) EXPECT_EQ(li.ffn, FfnKind::MoE);
+}
+
+// ---------------------------------------------------------------- parameter count
+
+// kimi-k3.md section 3, shape by shape. MXFP4 packed bytes hold two parameters,
+// scales none; A_log counts the 96 heads it serves (its storage is padded to 128).
+int64_t k3_parameters_by_hand() {
+  const int64_t D = 7168, V = 163840, HD = 96 * 128;
+  const int64_t global = V * D /* embed_tokens */ + V * D /* lm_head */ + D /* output_attn_res_norm */ +
+                         1 * D /* output_attn_res_proj */ + D /* norm */;
+  const int64_t layer_norms = D + D + D + 1 * D + D + 1 * D;  // input, post_attention, self_attention_res {norm, proj}, mlp_res {norm, proj}
+  const int64_t kda = 4 * HD * D          // q, k, v, g
+                      + 3 * HD * 1 * 4    // q, k, v conv1d
+                      + 128 * D           // f_a
+                      + HD * 128          // f_b
+                      + 96 * D            // b
+                      + 96                // A_log
+                      + HD                // dt_bias
+                      + 128               // o_norm
+                      + D * HD;           // o_proj
+  const int64_t mla = 1536 * D + 1536 + 18432 * 1536 + 576 * D + 512 + 24576 * 512 + HD * D + D * HD;
+  const int64_t expert = 2 * (3072 * 1792) * 2  // w1, w3 packed
+                         + (3584 * 1536) * 2;   // w2 packed
+  const int64_t moe = 896 * D + 896                 // gate, e_score_correction_bias
+                      + 3584 * D + 3584 + D * 3584  // routed_expert down, norm, up
+                      + 2 * 6144 * D + D * 6144     // shared experts
+                      + 896 * expert;
+  const int64_t dense = 2 * 33792 * D + D * 33792;
+  return global + 93 * layer_norms + 69 * kda + 24 * mla + 92 * moe + 1 * dense;
+}
+
+TEST(ConfigParameters, K3CountMatchesSpecShapes) {
+  EXPECT_EQ(2 * (3072 * 1792) * 2 + (3584 * 1536) * 2, int64_t{3} * 3584 * 3072);
+  const auto c = k3::ModelConfig::from_file(kK3);
+  const int64_t n = k3::parameter_count(c);
+  EXPECT_GT(n, int64_t{2'700'000'000'000});
+  EXPECT_LT(n, int64_t{2'850'000'000'000});
+  EXPECT_EQ(n, k3_parameters_by_hand());
+}
+
+TEST(ConfigParameters, K31AddsTheIndexers) {
+  const int64_t D = 7168;
+  const int64_t indexer = 32 * 128 * 1536 + 128 * D + 32 * D + 128 + 128;  // wq_b, wk, weights_proj, k_norm
+  EXPECT_EQ(k3::parameter_count(k3::ModelConfig::from_file(kK31)), k3_parameters_by_hand() + 24 * indexer);
+}
+
+// ---------------------------------------------------------------- missing keys
+
+struct Key {
+  bool k31;                       // erase it from the K3.1 config
+  std::vector<std::string> path;  // under text_config
+  std::string dotted() const {
+    std::string s;
+    for (const auto& p : path) s += (s.empty() ? "" : ".") + p;
+    return s;
+  }
+};
+
+class ConfigMissingKey : public ::testing::TestWithParam<Key> {};
+
+TEST_P(ConfigMissingKey, ErrorNamesTheKey) {
+  const Key& k = GetParam();
+  json j = load(k.k31 ? kK31 : kK3);
+  json* obj = &j["text_config"];
+  for (size_t i = 0; i + 1 < k.path.size(); ++i) obj = &obj->at(k.path[i]);
+  ASSERT_EQ(obj->erase(k.path.back()), 1u) << k.dotted();
+  const std::string msg = error_of([&] { k3::ModelConfig::from_json(j); });
+  EXPECT_TRUE(mentions_key(msg, k.dotted())) << msg;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Config, ConfigMissingKey,
+    ::testing::Values(Key{false, {"hidden_size"}}, Key{false, {"num_hidden_layers"}}, Key{false, {"vocab_size"}},
+                      Key{false, {"rms_norm_eps"}}, Key{false, {"linear_attn_config"}},
+                      Key{false, {"linear_attn_config", "full_attn_layers"}},
+                      Key{false, {"linear_attn_config", "num_heads"}}, Key{false, {"linear_attn_config", "head_dim"}},
+                      Key{false, {"kv_lora_rank"}}, Key{false, {"q_lora_rank"}}, Key{false, {"num_attention_heads"}},
+                      Key{false, {"num_experts"}}, Key{false, {"num_experts_per_token"}},
+                      Key{false, {"moe_intermediate_size"}}, Key{false, {"routed_expert_hidden_size"}},
+                      Key{false, {"intermediate_size"}}, Key{false, {"attn_res_block_size"}},
+                      Key{true, {"dsa_config", "index_topk"}}, Key{true, {"dsa_config", "dsa_layers"}},
+                      Key{true, {"hidden_size"}}),
+    [](const ::testing::TestParamInfo<Key>& info) {
+      std::string s = (info.param.k31 ? "K31_" : "K3_") + info.param.dotted();
+      for (char& ch : s)
+        if (ch == '.') ch = '_';
+      return s;
+    });
+
+// ---------------------------------------------------------------- inconsistent configs
+
+std::string error_with(const std::string& path, const std::function<void(json&)>& edit) {
+  json j = load(path);
+  edit(j["text_config"]);
+  return error_of([&] { k3::ModelConfig::from_json(j); });
+}
+
+TEST(ConfigInvalid, FullAttnLayerZeroIsOutOfRange) {
+  // 1-based: 0 is not a layer.
+  const auto msg = error_with(kK3, [](json& t) { t["linear_attn_config"]["full_attn_layers"][0] = 0; });
+  EXPECT_TRUE(mentions_key(msg, "full_attn_layers")) << msg;
+}
+
+TEST(ConfigInvalid, FullAttnLayer94IsOutOfRange) {
+  const auto msg = error_with(kK3, [](json& t) { t["linear_attn_config"]["full_attn_layers"].push_back(94); });
+  EXPECT_TRUE(mentions_key(msg, "full_attn_layers")) << msg;
+  EXPECT_NE(msg.find("94"), std::string::npos) << msg;
+}
+
+TEST(ConfigInvalid, FullAttnLayer93IsInRange) {
+  // The last layer, 1-based, is legal (and in the shared config already).
+  const auto c = k3::ModelConfig::from_json(load(kK3));
+  EXPECT_EQ(c.attn_kinds.back(), AttnKind::MLA);
+}
+
+TEST(ConfigInvalid, DuplicatedLayer) {
+  const auto msg = error_with(kK3, [](json& t) { t["linear_attn_config"]["full_attn_layers"].push_back(8); });
+  EXPECT_TRUE(mentions_key(msg, "full_attn_layers")) << msg;
+  EXPECT_NE(msg.find("8"), std::string::npos) << msg;
+}
+
+TEST(ConfigInvalid, LayerInBothLists) {
+  const auto msg = error_with(kK3, [](json& t) {
+    auto& la = t["linear_attn_config"];
+    la["kda_layers"].push_back(4);
+  });
+  EXPECT_TRUE(mentions_key(msg, "kda_layers")) << msg;
+}
+
+TEST(ConfigInvalid, DsaLayersDifferFromFullAttnLayers) {
+  const auto msg = error_with(kK31, [](json& t) {
+    auto& d = t["dsa_config"]["dsa_layers"];
+    d.erase(d.size() - 1);  // drop 93
+    d.push_back(91);
+  });
+  EXPECT_TRUE(mentions_key(msg, "dsa_layers")) << msg;
+  const auto missing = error_with(kK31, [](json& t) { t["dsa_config"]["dsa_layers"].erase(size_t{0}); });
+  EXPECT_TRUE(mentions_key(missing, "dsa_layers")) << missing;
+}
+
+TEST(ConfigInvalid, MoreExpertsPerTokenThanExperts) {
+  const auto msg = error_with(kK3, [](json& t) { t["num_experts_per_token"] = 897; });
+  EXPECT_TRUE(mentions_key(msg, "num_experts_per_token")) << msg;
+}
+
+TEST(ConfigInvalid, WrongJsonType) {
+  const auto msg = error_with(kK3, [](json& t) { t["hidden_size"] = "7168"; });
+  EXPECT_TRUE(mentions_key(msg, "hidden_size")) << msg;
+  const auto list = error_with(kK3, [](json& t) { t["linear_attn_config"]["full_attn_layers"] = "4,8"; });
+  EXPECT_TRUE(mentions_key(list, "full_attn_layers")) << list;
+}
+
+TEST(ConfigInvalid, NonPositiveSizes) {
+  for (const char* key : {"hidden_size", "num_hidden_layers", "vocab_size", "attn_res_block_size", "num_experts"}) {
+    const auto msg = error_with(kK3, [&](json& t) { t[key] = 0; });
+    EXPECT_TRUE(mentions_key(msg, key)) << msg;
+  }
+}
+
+TEST(ConfigInvalid, TopLevelNotAnObject) {
+  EXPECT_THROW(k3::ModelConfig::from_json(json::array({1, 2})), k3::Error);
+}
+
+TEST(ConfigFile, NonexistentPath) {
+  const std::string path = (std::filesystem::temp_directory_path() / "k3_no_such_config_dir" / "config.json").string();
+  const std::string msg = error_of([&] { k3::ModelConfig::from_file(path); });
+  EXPECT_NE(msg.find(path), std::string::npos) << msg;
+}
+
+TEST(ConfigFile, InvalidJson) {
+  const auto path = std::filesystem::temp_directory_path() / ("k3_bad_config_" + std::to_string(::getpid()) + ".json");
+  std::ofstream(path) << "{\"text_config\": {\"hidden_size\": 7168,";
+  const std::string msg = error_of([&] { k3::ModelConfig::from_file(path.string()); });
+  std::filesystem::remove(path);
+  EXPECT_NE(msg.find(path.string()), std::string::npos) << msg;
+  EXPECT_NE(msg.find("JSON"), std::string::npos) << msg;
+}
+
+// ---------------------------------------------------------------- round trip
+
+void expect_same_config(const k3::ModelConfig& a, const k3::ModelConfig& b) {
+  EXPECT_EQ(a.hidden_size, b.hidden_size);
+  EXPECT_EQ(a.num_layers, b.num_layers);
+  EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.eos_token_id, b.eos_token_id);
+  EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
+  EXPECT_EQ(a.situ_beta, b.situ_beta);
+  EXPECT_EQ(a.situ_linear_beta, b.situ_linear_beta);
+  EXPECT_EQ(a.attn_res_block_size, b.attn_res_block_size);
+  EXPECT_EQ(a.dense_intermediate_size, b.dense_intermediate_size);
+  EXPECT_EQ(a.kda.num_heads, b.kda.num_heads);
+  EXPECT_EQ(a.kda.head_dim, b.kda.head_dim);
+  EXPECT_EQ(a.kda.conv_kernel, b.kda.conv_kernel);
+  EXPECT_EQ(a.kda.gate_lower_bound, b.kda.gate_lower_bound);
+  EXPECT_EQ(a.kda.use_full_rank_gate, b.kda.use_full_rank_gate);
+  EXPECT_EQ(a.mla.num_heads, b.mla.num_heads);
+  EXPECT_EQ(a.mla.q_lora_rank, b.mla.q_lora_rank);
+  EXPECT_EQ(a.mla.kv_lora_rank, b.mla.kv_lora_rank);
+  EXPECT_EQ(a.mla.qk_nope_head_dim, b.mla.qk_nope_head_dim);
+  EXPECT_EQ(a.mla.qk_rope_head_dim, b.mla.qk_rope_head_dim);
+  EXPECT_EQ(a.mla.v_head_dim, b.mla.v_head_dim);
+  EXPECT_EQ(a.mla.use_output_gate, b.mla.use_output_gate);
+  EXPECT_EQ(a.moe.num_experts, b.moe.num_experts);
+  EXPECT_EQ(a.moe.experts_per_token, b.moe.experts_per_token);
+  EXPECT_EQ(a.moe.num_shared_experts, b.moe.num_shared_experts);
+  EXPECT_EQ(a.moe.intermediate_size, b.moe.intermediate_size);
+  EXPECT_EQ(a.moe.latent_size, b.moe.latent_size);
+  EXPECT_EQ(a.moe.latent_use_norm, b.moe.latent_use_norm);
+  EXPECT_EQ(a.moe.renormalize, b.moe.renormalize);
+  EXPECT_EQ(a.moe.routed_scaling_factor, b.moe.routed_scaling_factor);
+  EXPECT_EQ(a.moe.first_k_dense_replace, b.moe.first_k_dense_replace);
+  EXPECT_EQ(a.moe.group_size, b.moe.group_size);
+  ASSERT_EQ(a.dsa.has_value(), b.dsa.has_value());
+  if (a.dsa) {
+    EXPECT_EQ(a.dsa->index_n_heads, b.dsa->index_n_heads);
+    EXPECT_EQ(a.dsa->index_head_dim, b.dsa->index_head_dim);
+    EXPECT_EQ(a.dsa->index_topk, b.dsa->index_topk);
+  }
+  EXPECT_EQ(a.attn_kinds, b.attn_kinds);
+
+  const auto pa = k3::LayerPlan::from(a), pb = k3::LayerPlan::from(b);
+  EXPECT_EQ(pa.num_blocks, pb.num_blocks);
+  ASSERT_EQ(pa.layers.size(), pb.layers.size());
+  for (size_t l = 0; l < pa.layers.size(); ++l) {
+    EXPECT_EQ(pa.layers[l].attn, pb.layers[l].attn) << l;
+    EXPECT_EQ(pa.layers[l].ffn, pb.layers[l].ffn) << l;
+    EXPECT_EQ(pa.layers[l].block_start, pb.layers[l].block_start) << l;
+    EXPECT_EQ(pa.layers[l].blocks_before_attn, pb.layers[l].blocks_before_attn) << l;
+    EXPECT_EQ(pa.layers[l].block_write_idx, pb.layers[l].block_write_idx) << l;
+    EXPECT_EQ(pa.layers[l].blocks_after_attn, pb.layers[l].blocks_after_attn) << l;
+  }
+}
+
+TEST(ConfigRoundTrip, K3) {
+  const auto c = k3::ModelConfig::from_file(kK3);
+  const json j = c.to_json();
+  expect_same_config(c, k3::ModelConfig::from_json(j));
+  // Through text as config.json is written.
+  expect_same_config(c, k3::ModelConfig::from_json(json::parse(j.dump(1))));
+  EXPECT_EQ(j.at("text_config").at("linear_attn_config").at("full_attn_layers"),
+            load(kK3).at("text_config").at("linear_attn_config").at("full_attn_layers"));
+}
+
+TEST(ConfigRoundTrip, K31) {
+  const auto c = k3::ModelConfig::from_file(kK31);
+  const json j = c.to_json();
+  expect_same_config(c, k3::ModelConfig::from_json(json::parse(j.dump(1))));
+  EXPECT_EQ(j.at("text_config").at("dsa_config").at("dsa_layers"),
+            load(kK31).at("text_config").at("dsa_config").at("dsa_layers"));
+}
+
+TEST(ConfigRoundTrip, TinyIrregularConfig) {
+  // A small config of the same family with an unusual layout survives the round trip.
+  json j = load(kK3);
+  auto& t = j["text_config"];
+  t["num_hidden_layers"] = 5;
+  t["attn_res_block_size"] = 2;
+  t["first_k_dense_replace"] = 2;
+  t["linear_attn_config"]["full_attn_layers"] = {2, 5};
+  t["linear_attn_config"]["kda_layers"] = {1, 3, 4};
+  const auto c = k3::ModelConfig::from_json(j);
+  EXPECT_EQ(c.attn_kinds, (std::vector<AttnKind>{AttnKind::KDA, AttnKind::MLA, AttnKind::KDA, AttnKind::KDA,
+                                                 AttnKind::MLA}));
+  const auto plan = k3::LayerPlan::from(c);
+  EXPECT_EQ(plan.num_blocks, 3);
+  EXPECT_EQ(plan.layers[1].ffn, FfnKind::Dense);
+  EXPECT_EQ(plan.layers[2].ffn, FfnKind::MoE);
+  EXPECT_EQ(plan.layers[4].block_write_idx, 2);
+  EXPECT_EQ(plan.layers[3].blocks_before_attn, 2);
+  expect_same_config(c, k3::ModelConfig::from_json(c.to_json()));
+}
+
+}  // namespace

@@ -1,2 +1,177 @@
+// k3decode: the command line.
+//   generate    decode a prompt on a model directory or the embedded tiny model
+//   make-model  write a synthetic checkpoint in the published K3 layout
+//   inspect     print a config's layer plan and parameter count
+// Exit code 0 on success; on any error one line on stderr and exit code 1.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
 #include <cstdio>
-int main() { std::puts("k3decode: in progress"); return 0; }
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "config/schema.h"
+#include "io/safetensors.h"
+#include "io/synthetic.h"
+#include "runtime/generate.h"
+
+namespace {
+
+using namespace k3;
+
+std::vector<int32_t> parse_ids(const std::string& s) {
+  std::vector<int32_t> ids;
+  size_t at = 0;
+  while (at <= s.size()) {
+    size_t end = s.find(',', at);
+    if (end == std::string::npos) end = s.size();
+    const std::string item = s.substr(at, end - at);
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    K3_CHECK(!item.empty() && used == item.size() && v >= INT32_MIN && v <= INT32_MAX,
+             "--prompt: \"{}\" is not a comma-separated list of token ids", s);
+    ids.push_back(static_cast<int32_t>(v));
+    at = end + 1;
+  }
+  return ids;
+}
+
+struct ModelArgs {
+  std::string dir;
+  std::string preset = "tiny";
+  std::string variant = "k3";
+  uint64_t seed = 0;
+};
+
+void add_model_args(CLI::App* cmd, ModelArgs& m) {
+  cmd->add_option("--model", m.dir, "model directory (config.json + safetensors); default: the embedded tiny model");
+  cmd->add_option("--preset", m.preset, "embedded model preset when no --model: tiny | small")->capture_default_str();
+  cmd->add_option("--variant", m.variant, "embedded model variant: k3 (MLA) | k3.1 (DSA)")->capture_default_str();
+  cmd->add_option("--model-seed", m.seed, "embedded model seed")->capture_default_str();
+}
+
+std::pair<std::shared_ptr<const TensorSource>, ModelConfig> open_model(const ModelArgs& m) {
+  if (!m.dir.empty()) {
+    std::shared_ptr<Checkpoint> ck = Checkpoint::open(m.dir);
+    ModelConfig c = ck->config();
+    return {std::move(ck), c};
+  }
+  ModelConfig c = preset_config(m.preset, m.variant);
+  return {make_synthetic(c, m.seed), c};
+}
+
+std::string join(const std::vector<int32_t>& v, const char* sep) {
+  std::string s;
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
+  return s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"k3decode: Kimi K3 / K3.1 decode runtime"};
+  app.require_subcommand(1);
+
+  ModelArgs gm;
+  std::string prompt = "1,2,3", dump;
+  int max_new = 16;
+  bool json_out = false;
+  CacheOptions cache;
+  SamplingParams sp;
+  float temperature = 0, top_p = 1;
+  auto* gen = app.add_subcommand("generate", "decode a prompt (greedy unless --temperature > 0)");
+  add_model_args(gen, gm);
+  gen->add_option("--prompt", prompt, "prompt token ids, comma separated")->capture_default_str();
+  gen->add_option("--max-new", max_new, "tokens to generate")->capture_default_str();
+  gen->add_flag("--json", json_out, "print one JSON object (key tokens: the generated ids)");
+  gen->add_option("--dump-logits", dump, "write the logits of every fed position to a safetensors file (F32 logits [positions, vocab])");
+  gen->add_option("--temperature", temperature, "sampling temperature; 0 = greedy")->capture_default_str();
+  gen->add_option("--top-p", top_p, "nucleus sampling threshold")->capture_default_str();
+  gen->add_option("--seed", sp.seed, "sampling seed")->capture_default_str();
+  bool ignore_eos = false;
+  gen->add_flag("--ignore-eos", ignore_eos, "keep generating past the eos token");
+  gen->add_option("--max-context", cache.max_context, "cache capacity in tokens")->capture_default_str();
+
+  std::string preset = "tiny", variant = "k3", out;
+  uint64_t seed = 0;
+  double shard_mb = 4096;
+  auto* mk = app.add_subcommand("make-model", "write a synthetic K3 / K3.1 checkpoint");
+  mk->add_option("--preset", preset, "tiny | small")->capture_default_str();
+  mk->add_option("--variant", variant, "k3 | k3.1")->capture_default_str();
+  mk->add_option("--seed", seed, "weight seed")->capture_default_str();
+  mk->add_option("--out", out, "output directory")->required();
+  mk->add_option("--shard-mb", shard_mb, "largest safetensors file (MB); more go through an index")->capture_default_str();
+
+  ModelArgs im;
+  std::string config_path;
+  auto* ins = app.add_subcommand("inspect", "print the layer plan and parameter count of a config");
+  add_model_args(ins, im);
+  ins->add_option("--config", config_path, "a config.json file");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  try {
+    if (*gen) {
+      auto ids = parse_ids(prompt);
+      if (temperature > 0) {
+        sp.greedy = false;
+        sp.temperature = temperature;
+        sp.top_p = top_p;
+      }
+      sp.stop_at_eos = !ignore_eos;
+      cache.max_slots = 1;
+      auto [src, config] = open_model(gm);
+      Engine engine(src, config, cache);
+      GenerateResult r = generate(engine, ids, max_new, sp, !dump.empty());
+      if (!dump.empty()) {
+        TensorView v{r.logits.data(), DType::F32, {r.positions, config.vocab_size}};
+        write_safetensors(dump, {{"logits", v}}, {{"prompt", join(ids, ",")}, {"tokens", join(r.tokens, ",")}});
+      }
+      if (json_out) {
+        nlohmann::json j = {{"tokens", r.tokens},   {"prompt", ids},
+                            {"stop", r.hit_eos ? "eos" : "length"},
+                            {"model", gm.dir.empty() ? "embedded:" + gm.preset + ":" + gm.variant : gm.dir}};
+        std::cout << j.dump() << "\n";
+      } else {
+        std::cout << join(r.tokens, " ") << "\n";
+      }
+    } else if (*mk) {
+      ModelConfig c = preset_config(preset, variant);
+      auto src = make_synthetic(c, seed);
+      write_checkpoint(out, c, *src, static_cast<size_t>(shard_mb * 1e6));
+      std::cerr << fmt::format("wrote {} ({} {}, seed {}, {} tensors)\n", out, preset, variant, seed, src->names().size());
+    } else if (*ins) {
+      ModelConfig c = !config_path.empty() ? ModelConfig::from_file(config_path)
+                      : !im.dir.empty()    ? ModelConfig::from_file(im.dir + "/config.json")
+                                           : preset_config(im.preset, im.variant);
+      const LayerPlan plan = LayerPlan::from(c);
+      fmt::print("layers {}  hidden {}  vocab {}  AttnRes blocks {} (size {})\n", c.num_layers, c.hidden_size,
+                 c.vocab_size, plan.num_blocks, c.attn_res_block_size);
+      fmt::print("attention: {} KDA, {} {}  |  experts {} (top {}), shared {}, latent {}\n", plan.count(AttnKind::KDA),
+                 plan.count(c.is_dsa() ? AttnKind::DSA : AttnKind::MLA), c.is_dsa() ? "DSA" : "MLA",
+                 c.moe.num_experts, c.moe.experts_per_token, c.moe.num_shared_experts, c.moe.latent_size);
+      for (int l = 0; l < c.num_layers; ++l) {
+        const LayerInfo& li = plan.layers[l];
+        fmt::print("  layer {:3}  {:3}  {:5}  blocks mixed {}/{}{}\n", l, attn_kind_name(li.attn),
+                   li.ffn == FfnKind::Dense ? "dense" : "moe", li.blocks_before_attn, li.blocks_after_attn,
+                   li.block_start ? fmt::format("  block {} starts", li.block_write_idx) : "");
+      }
+      const int64_t params = parameter_count(c), active = active_parameter_count(c);
+      fmt::print("parameters: {} ({:.3f}T)  active per token: {} ({:.1f}B)\n", params, params / 1e12, active,
+                 active / 1e9);
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "k3decode: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,1 +1,62 @@
-// placeholder: implementation in progress
+// top_p computes the softmax in double and sorts by (probability desc, id asc);
+// exactly one rng.uniform() is drawn per call. NaN or +inf logits are an Error
+// (-inf masks a token).
+#include "ops/sampling.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "core/error.h"
+
+namespace k3::ops {
+
+int32_t sample_greedy(const float* logits, int64_t vocab) {
+  K3_CHECK(vocab > 0, "sample_greedy: vocab {} must be positive", vocab);
+  int64_t best = 0;
+  for (int64_t i = 1; i < vocab; ++i) {
+    if (logits[i] > logits[best]) best = i;  // strict: ties keep the lower id
+  }
+  return static_cast<int32_t>(best);
+}
+
+int32_t sample_top_p(const float* logits, int64_t vocab, float temperature, float top_p, Rng& rng) {
+  K3_CHECK(vocab > 0, "sample_top_p: vocab {} must be positive", vocab);
+  K3_CHECK(temperature > 0.0f, "sample_top_p: temperature {} must be > 0", temperature);
+  K3_CHECK(top_p > 0.0f && top_p <= 1.0f, "sample_top_p: top_p {} must be in (0, 1]", top_p);
+
+  for (int64_t i = 0; i < vocab; ++i) {
+    K3_CHECK(!std::isnan(logits[i]) && logits[i] != INFINITY, "sample_top_p: logit of token {} is {}", i, logits[i]);
+  }
+  const double m = logits[sample_greedy(logits, vocab)];
+  K3_CHECK(m != -INFINITY, "sample_top_p: every logit is -inf");
+  std::vector<double> p(static_cast<size_t>(vocab));
+  double z = 0.0;
+  for (int64_t i = 0; i < vocab; ++i) {
+    p[i] = std::exp((static_cast<double>(logits[i]) - m) / temperature);
+    z += p[i];
+  }
+  std::vector<int32_t> order(static_cast<size_t>(vocab));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+
+  // The smallest prefix of the sorted tokens whose probability reaches top_p.
+  const double need = static_cast<double>(top_p) * z;
+  int64_t keep = 0;
+  double kept = 0.0;
+  while (keep < vocab) {
+    kept += p[order[keep++]];
+    if (kept >= need) break;
+  }
+
+  const double target = rng.uniform() * kept;
+  double cum = 0.0;
+  for (int64_t i = 0; i < keep; ++i) {
+    cum += p[order[i]];
+    if (target < cum) return order[i];
+  }
+  return order[keep - 1];
+}
+
+}  // namespace k3::ops

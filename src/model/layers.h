@@ -1,0 +1,78 @@
+// The K3 modules on the CPU, built from ops (kimi-k3.md section 2). Rows are
+// the tokens of a step: B requests x q tokens, request b's tokens are rows
+// [b q, (b+1) q) at positions pos0[b] .. pos0[b] + q - 1. Activations between
+// modules are [rows, D] float arrays of BF16 values.
+//
+// KDA (kda_attention), per request, token by token:
+//   q, k, v = silu(conv(W_{q,k,v} x)); q = l2norm(q) d^-0.5; k = l2norm(k)
+//   g = lower * sigmoid(exp(A_log) (W_fb W_fa x + dt_bias)); beta = sigmoid(W_b x)
+//   S' = S diag(exp g); S = S' + beta (v - S' k) k^T; o = S q
+//   out = W_o [RMSNorm(o_h; o_norm) * sigmoid(W_g x)_h]_h
+// The committed state is never written during a step: the state after each
+// token goes to the cache's history slots and the runtime commits one of them.
+//
+// MLA / DSA (mla_attention), absorbed decode:
+//   c_q = RMSNorm(W_qa x); q = W_qb c_q; [c_kv, k_pe] = W_kva x; c_kv = RMSNorm(c_kv)
+//   every row's cache entry is written first, then each row attends to the
+//   entries at positions <= its own (MLA), or to the top-k of them chosen by
+//   the lightning indexer (DSA: q_idx = W_qb^idx c_q, k_idx = LayerNorm(W_k x)
+//   cached, w = W_w x Di^-0.5 Hi^-0.5, score = sum_h w_h relu(q_idx_h . k_idx));
+//   o = W_uv softmax(scale q_lat . entry) c_kv; out = W_o (o * sigmoid(W_g x)).
+//
+// MoE (moe_ffn): router on FP32 logits (sigmoid, biased top-k, unbiased
+//   renormalized weights); z = W_down x; y = bf16(sum_i w_i expert_i(z)) in FP32
+//   in the row's chosen order; y = RMSNorm(y; routed_expert_norm); out = bf16(W_up y +
+//   shared(x)) with shared the SiTU-GLU MLP of the merged shared experts.
+// Dense (dense_ffn): the SiTU-GLU MLP.
+//
+// decode_forward: the single-rank decoder stack with Attention Residuals
+// (fused attn_res before attention and before the FFN of every layer, the
+// final mix, RMSNorm, lm_head -> FP32 logits).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "config/model_config.h"
+#include "model/weights.h"
+
+namespace k3 {
+
+struct StepShape {
+  int B = 0;                  // requests
+  int q = 0;                  // tokens per request
+  std::vector<int64_t> pos0;  // [B] position of each request's first token in this step
+  int64_t rows() const { return int64_t{B} * q; }
+};
+
+// One request's KDA state for one layer during a step.
+struct KdaSlotState {
+  const float* conv[3] = {};  // committed q, k, v conv states [C, K-1] (C = H d)
+  float* conv_hist[3] = {};   // [q, C, K-1]: the state after each token of the step
+  const float* S = nullptr;   // committed recurrent state [H, d, d] F32
+  float* S_hist = nullptr;    // [q, H, d, d]: the state after each token of the step
+};
+
+// What the attention modules need from the runtime's caches.
+class AttentionCache {
+ public:
+  virtual ~AttentionCache() = default;
+  virtual KdaSlotState kda(int layer, int b) = 0;
+  // Latent KV entry [R + P] of request b at position pos (written before it is read).
+  virtual float* kv_entry(int layer, int b, int64_t pos) = 0;
+  // DSA indexer key [Di] of request b at position pos.
+  virtual float* index_key(int layer, int b, int64_t pos) = 0;
+};
+
+void kda_attention(const ModelConfig& c, const KdaWeights& w, int layer, const float* x, const StepShape& s,
+                   AttentionCache& cache, float* out);
+void mla_attention(const ModelConfig& c, const MlaWeights& w, int layer, const float* x, const StepShape& s,
+                   AttentionCache& cache, float* out);
+void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, float* out);
+void dense_ffn(const ModelConfig& c, const DenseWeights& w, const float* x, int64_t rows, float* out);
+
+// tokens [rows] -> logits [rows, V] FP32.
+void decode_forward(const ModelConfig& c, const ModelWeights& w, const int32_t* tokens, const StepShape& s,
+                    AttentionCache& cache, float* logits);
+
+}  // namespace k3

@@ -1,0 +1,74 @@
+// Per-request caches of one rank, sized once from the config and capacities.
+//
+// KDA (every KDA layer, every request slot): committed conv states (q, k, v:
+// [C, K-1] each, the last K-1 inputs) and the committed recurrent state
+// [H, d, d] F32. A step never writes them: the state after each of its q tokens
+// goes to per-slot history rows ([max_q] deep), and commit(n) copies row n-1
+// into the committed state ("per-token slots": the committed state equals the
+// state of decoding exactly the accepted tokens; rejected drafts vanish).
+//
+// MLA / DSA (every full-attention layer): a paged latent cache of R + P values
+// per token and, for DSA, the indexer key (Di values) per token. Pages hold
+// page_size tokens and are shared by all layers (page id p is the same page in
+// every layer's pool); each slot owns a block table. Entries past a request's
+// committed length are scratch: a verify step writes its draft tokens there and
+// a later step overwrites the rejected ones.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "config/model_config.h"
+#include "model/layers.h"
+
+namespace k3 {
+
+struct CacheOptions {
+  int max_slots = 8;           // concurrent requests
+  int64_t max_context = 512;   // tokens per request
+  int max_q = 16;              // tokens per request per step (verify width / prefill chunk)
+  int page_size = 16;          // tokens per KV page
+  int64_t num_pages = 0;       // 0: enough for every slot at max_context
+};
+
+class Caches : public AttentionCache {
+ public:
+  Caches(const ModelConfig& c, const CacheOptions& o);
+
+  const CacheOptions& options() const { return opt_; }
+  int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
+  int64_t pages_for(int64_t tokens) const { return (tokens + opt_.page_size - 1) / opt_.page_size; }
+
+  // Slot lifecycle (the Engine validates arguments before calling these).
+  void reset_slot(int slot);                   // zero states, release pages
+  void reserve(int slot, int64_t tokens);      // grow the block table to hold `tokens`
+  void shrink(int slot, int64_t tokens);       // release pages past `tokens`
+  void commit_kda(int slot, int n);            // history row n-1 -> committed (n >= 1)
+
+  // Binds the step's request b to slot slots[b] (AttentionCache's view).
+  void bind(const std::vector<int>& slots) { bound_ = slots; }
+  KdaSlotState kda(int layer, int b) override;
+  float* kv_entry(int layer, int b, int64_t pos) override;
+  float* index_key(int layer, int b, int64_t pos) override;
+
+ private:
+  float* page_row(std::vector<float>& pool, int slot, int64_t pos, int64_t width);
+
+  CacheOptions opt_;
+  int64_t conv_floats_ = 0;   // C * (K - 1)
+  int64_t state_floats_ = 0;  // H * d * d
+  int64_t entry_ = 0;         // R + P
+  int64_t index_dim_ = 0;     // Di (0 without DSA)
+  std::vector<int> kda_index_, full_index_;  // layer -> index among its kind, or -1
+  std::vector<std::vector<float>> conv_;     // [kda layer][slot, 3, C, K-1]
+  std::vector<std::vector<float>> conv_hist_;  // [kda layer][slot, 3, max_q, C, K-1]
+  std::vector<std::vector<float>> state_;    // [kda layer][slot, H, d, d]
+  std::vector<std::vector<float>> state_hist_;  // [kda layer][slot, max_q, H, d, d]
+  std::vector<std::vector<float>> kv_;       // [full layer][page, page_size, R + P]
+  std::vector<std::vector<float>> index_;    // [full layer][page, page_size, Di]
+  std::vector<std::vector<int32_t>> tables_; // [slot] page ids
+  std::vector<int32_t> free_;
+  std::vector<int> bound_;
+};
+
+}  // namespace k3
