@@ -5,5 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 dir="${K3_BUILD_DIR:-build}"
-cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE="${K3_BUILD_TYPE:-Release}" "$@" >/dev/null
+cuda=()
+# The CUDA backend builds wherever nvcc is (it runs only where a GPU is).
+if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then
+  cuda=(-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc)
+fi
+cmake -S . -B "$dir" -G Ninja "${cuda[@]}" -DCMAKE_BUILD_TYPE="${K3_BUILD_TYPE:-Release}" "$@" >/dev/null
 cmake --build "$dir"

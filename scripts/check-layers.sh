@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The layers look only down: core <- config <- io <- ops <- model <- runtime <- cli.
+# The layers look only down: core <- config <- io <- ops <- comm <- model <- runtime <- cli.
 # Fails when a file includes a header from a layer above its own.
 set -euo pipefail
 cd "$(dirname "$0")/../src"
-layers=(core config io ops model runtime cli)
+layers=(core config io ops comm model runtime cli)
 bad=0
 for i in "${!layers[@]}"; do
   for j in "${!layers[@]}"; do

@@ -267,16 +267,23 @@ std::string error_with(const std::string& path, const std::function<void(json&)>
   return error_of([&] { k3::ModelConfig::from_json(j); });
 }
 
-TEST(ConfigInvalid, FullAttnLayerZeroIsOutOfRange) {
-  // 1-based: 0 is not a layer.
-  const auto msg = error_with(kK3, [](json& t) { t["linear_attn_config"]["full_attn_layers"][0] = 0; });
+// Without kda_layers, so that only the range check of full_attn_layers can catch the entry.
+void expect_full_attn_entry_rejected(int entry) {
+  const auto msg = error_with(kK3, [&](json& t) {
+    t["linear_attn_config"].erase("kda_layers");
+    t["linear_attn_config"]["full_attn_layers"].push_back(entry);
+  });
   EXPECT_TRUE(mentions_key(msg, "full_attn_layers")) << msg;
+  EXPECT_TRUE(mentions_key(msg, std::to_string(entry))) << msg;
 }
 
-TEST(ConfigInvalid, FullAttnLayer94IsOutOfRange) {
-  const auto msg = error_with(kK3, [](json& t) { t["linear_attn_config"]["full_attn_layers"].push_back(94); });
+TEST(ConfigInvalid, FullAttnLayerZeroIsOutOfRange) { expect_full_attn_entry_rejected(0); }  // 1-based
+TEST(ConfigInvalid, FullAttnLayer94IsOutOfRange) { expect_full_attn_entry_rejected(94); }
+TEST(ConfigInvalid, FullAttnLayerNegative) { expect_full_attn_entry_rejected(-1); }
+
+TEST(ConfigInvalid, FullAttnLayerZeroWithKdaLayers) {
+  const auto msg = error_with(kK3, [](json& t) { t["linear_attn_config"]["full_attn_layers"][0] = 0; });
   EXPECT_TRUE(mentions_key(msg, "full_attn_layers")) << msg;
-  EXPECT_NE(msg.find("94"), std::string::npos) << msg;
 }
 
 TEST(ConfigInvalid, FullAttnLayer93IsInRange) {

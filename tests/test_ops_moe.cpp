@@ -90,7 +90,9 @@ TEST(OpsRouter, MatchesFloat64Reference) {
           ASSERT_NEAR(w[t * c.k + i], ref.w[i], 2e-6 * std::fabs(ref.w[i])) << "t=" << t << " i=" << i;
           wsum += w[t * c.k + i];
         }
-        if (renorm) EXPECT_NEAR(wsum, scale, 1e-5 * scale);
+        if (renorm) {
+          EXPECT_NEAR(wsum, scale, 1e-5 * scale);
+        }
       }
     }
   }

@@ -275,7 +275,7 @@ LayerPlan LayerPlan::from(const ModelConfig& c) {
     li.attn = c.attn_kinds.at(l);
     li.ffn = l < c.moe.first_k_dense_replace ? FfnKind::Dense : FfnKind::MoE;
     li.block_start = l % bs == 0;
-    li.blocks_before_attn = l / bs;
+    li.blocks_before_attn = (l + bs - 1) / bs;
     li.block_write_idx = li.block_start ? l / bs : -1;
     li.blocks_after_attn = li.blocks_before_attn + (li.block_start ? 1 : 0);
     p.layers.push_back(li);

@@ -29,7 +29,7 @@ void situ_glu(const float* a, const float* b, float* out, int64_t n, SituParams 
     const float x = a[i], y = b[i];
     const float sig = 1.f / (1.f + std::exp(-x));  // exp overflow gives 1 / inf = 0: saturates correctly
     const float gate = beta * std::tanh(x / beta) * sig;
-    const float lin = y;
+    const float lin = lbeta * std::tanh(y / lbeta);
     out[i] = round_bf16(gate * lin);
   }
 }
@@ -46,11 +46,13 @@ void mxfp4_linear(const float* x, const uint8_t* packed, const uint8_t* scale, f
     const uint8_t* sr = scale + n * groups;
     for (int64_t g = 0; g < groups; ++g) {
       const float sc = e8m0_to_float(sr[g]);
+      float tbl[16];  // the 16 codes times this group's scale
+      for (int c = 0; c < 16; ++c) tbl[c] = e2m1_to_float(static_cast<uint8_t>(c)) * sc;
       for (int64_t j = 0; j < kMxfp4Group / 2; ++j) {
         const uint8_t byte = pr[g * (kMxfp4Group / 2) + j];
         const int64_t k = g * kMxfp4Group + 2 * j;
-        wrow[k] = e2m1_to_float(byte & 0xf) * sc;  // low nibble first
-        wrow[k + 1] = e2m1_to_float(byte >> 4) * sc;
+        wrow[k] = tbl[byte & 0xf];  // low nibble first
+        wrow[k + 1] = tbl[byte >> 4];
       }
     }
     for (int64_t r = 0; r < rows; ++r) y[r * N + n] = round_bf16(dot(x + r * K, wrow.data(), K));

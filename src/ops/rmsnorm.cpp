@@ -20,7 +20,7 @@ void rmsnorm_impl(const float* x, const W* w, float* out, int64_t rows, int64_t 
     float* yr = out + r * dim;
     double ss = 0.0;
     for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float inv = 1.0f / (std::sqrt(static_cast<float>(ss / static_cast<double>(dim))) + eps);
+    const float inv = 1.0f / std::sqrt(static_cast<float>(ss / static_cast<double>(dim)) + eps);
     for (int64_t i = 0; i < dim; ++i) yr[i] = round_bf16(weight_at(w, i) * round_bf16(xr[i] * inv));
   }
 }

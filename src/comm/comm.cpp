@@ -1,0 +1,69 @@
+#include "comm/comm.h"
+
+namespace k3 {
+
+const char* coll_kind_name(CollKind k) {
+  static const char* names[] = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all_v", "broadcast", "barrier"};
+  return names[static_cast<int>(k)];
+}
+
+void Layout::validate() const {
+  K3_CHECK(tp >= 1, "layout: --tp {} must be >= 1", tp);
+  K3_CHECK(dp >= 1, "layout: --dp {} must be >= 1", dp);
+  K3_CHECK(dcp >= 1, "layout: --dcp {} must be >= 1", dcp);
+  K3_CHECK(tp % dcp == 0, "layout: --dcp {} does not divide --tp {}", dcp, tp);
+}
+
+void reduce_sum(const void* const* parts, int n, void* out, int64_t count, DType dt) {
+  if (dt == DType::F32) {
+    float* o = static_cast<float*>(out);
+    for (int64_t i = 0; i < count; ++i) {
+      float s = 0;
+      for (int p = 0; p < n; ++p) s += static_cast<const float*>(parts[p])[i];
+      o[i] = s;
+    }
+  } else if (dt == DType::BF16) {
+    bf16* o = static_cast<bf16*>(out);
+    for (int64_t i = 0; i < count; ++i) {
+      float s = 0;
+      for (int p = 0; p < n; ++p) s += to_float(static_cast<const bf16*>(parts[p])[i]);
+      o[i] = to_bf16(s);
+    }
+  } else {
+    fail("comm: sum of {} is not supported (F32, BF16)", dtype_name(dt));
+  }
+}
+
+void CountingComm::all_reduce(void* data, int64_t count, DType dt) {
+  this->count(CollKind::AllReduce, count * static_cast<int64_t>(dtype_size(dt)));
+  inner_->all_reduce(data, count, dt);
+}
+void CountingComm::all_gather(const void* send, void* recv, int64_t count, DType dt) {
+  this->count(CollKind::AllGather, count * static_cast<int64_t>(dtype_size(dt)));
+  inner_->all_gather(send, recv, count, dt);
+}
+void CountingComm::reduce_scatter(const void* send, void* recv, int64_t count, DType dt) {
+  this->count(CollKind::ReduceScatter, count * size() * static_cast<int64_t>(dtype_size(dt)));
+  inner_->reduce_scatter(send, recv, count, dt);
+}
+void CountingComm::all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
+                                DType dt) {
+  int64_t n = 0;
+  for (int p = 0; p < size(); ++p) n += send_counts[p];
+  this->count(CollKind::AllToAllV, n * static_cast<int64_t>(dtype_size(dt)));
+  inner_->all_to_all_v(send, send_counts, recv, recv_counts, dt);
+}
+void CountingComm::broadcast(void* data, int64_t count, DType dt, int root) {
+  this->count(CollKind::Broadcast, rank() == root ? count * static_cast<int64_t>(dtype_size(dt)) : 0);
+  inner_->broadcast(data, count, dt, root);
+}
+void CountingComm::barrier() {
+  this->count(CollKind::Barrier, 0);
+  inner_->barrier();
+}
+void CountingComm::reset() {
+  for (auto& c : calls_) c = 0;
+  for (auto& b : bytes_) b = 0;
+}
+
+}  // namespace k3

@@ -1,0 +1,28 @@
+// What every CUDA launcher may need beyond its pointers: the stream it runs
+// on (never the default stream, so a step can be captured in a CUDA graph),
+// and for cuBLASLt a handle and a workspace allocated once.
+#pragma once
+
+#include <cstddef>
+
+struct CUstream_st;
+struct cublasLtContext;
+
+namespace k3::ops::cuda {
+
+struct Context {
+  CUstream_st* stream = nullptr;          // cudaStream_t
+  cublasLtContext* lt = nullptr;          // cublasLtHandle_t
+  void* workspace = nullptr;              // cuBLASLt workspace (device)
+  size_t workspace_bytes = 0;
+  int sm_count = 0;
+  int cc_major = 0, cc_minor = 0;
+};
+
+// Creates a non-blocking stream, a cuBLASLt handle and a 32 MB workspace on
+// the current device; Error if no device or the device is older than sm_90
+// when the build targets sm_90a only.
+Context create_context();
+void destroy_context(Context& c);
+
+}  // namespace k3::ops::cuda

@@ -1,0 +1,80 @@
+// Helpers of the GPU tests: skip without a device, host <-> device copies,
+// and the comparison against the CPU reference with a per-op tolerance.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/cuda.h"
+#include "core/rng.h"
+#include "ops/cuda_context.h"
+
+namespace k3::gputest {
+
+#define K3_REQUIRE_GPU()                                      \
+  do {                                                        \
+    if (!::k3::cuda_device_available()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+// A context per test binary (created on first use).
+inline ops::cuda::Context& ctx() {
+  static ops::cuda::Context c = ops::cuda::create_context();
+  return c;
+}
+inline cudaStream_t stream() { return reinterpret_cast<cudaStream_t>(ctx().stream); }
+
+template <typename T>
+DeviceBuffer upload(const std::vector<T>& h) {
+  DeviceBuffer d(h.size() * sizeof(T));
+  if (!h.empty()) CUDA_CHECK(cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return d;
+}
+template <typename T>
+std::vector<T> download(const DeviceBuffer& d, size_t n) {
+  std::vector<T> h(n);
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+  if (n) CUDA_CHECK(cudaMemcpy(h.data(), d.get(), n * sizeof(T), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+inline std::vector<bf16> to_bf16_vec(const std::vector<float>& v) {
+  std::vector<bf16> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = to_bf16(v[i]);
+  return o;
+}
+inline std::vector<float> to_float_vec(const std::vector<bf16>& v) {
+  std::vector<float> o(v.size());
+  for (size_t i = 0; i < v.size(); ++i) o[i] = to_float(v[i]);
+  return o;
+}
+// Random bf16-representable values in [-a, a] (never all zero).
+inline std::vector<float> random_bf16_values(size_t n, uint64_t seed, double a = 1.0) {
+  Rng r(seed);
+  std::vector<float> v(n);
+  for (auto& x : v) x = round_bf16(static_cast<float>(r.uniform(-a, a)));
+  return v;
+}
+
+// max |got - want| <= atol + rtol * max|want|, reporting the worst index.
+inline void expect_close(const std::vector<float>& got, const std::vector<float>& want, double rtol, double atol,
+                         const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  double scale = 0;
+  for (float w : want) scale = std::max(scale, static_cast<double>(std::fabs(w)));
+  size_t worst = 0;
+  double err = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    double e = std::fabs(static_cast<double>(got[i]) - want[i]);
+    if (!(e <= err)) {
+      err = e;
+      worst = i;
+    }
+  }
+  EXPECT_LE(err, atol + rtol * scale) << what << ": worst at " << worst << " got " << got[worst] << " want "
+                                      << want[worst] << " (scale " << scale << ")";
+}
+
+}  // namespace k3::gputest
