@@ -25,7 +25,7 @@ void short_conv_silu(const float* x, const float* w, float* state, float* y, flo
       for (int j = 0; j < S; ++j) win[j] = win[j + 1];
       if (state_hist != nullptr) {
         float* hc = state_hist + (t * C + c) * S;
-        for (int j = 0; j < S; ++j) hc[j] = win[j] + (t == 0 ? 0.0f : 0.0f) + (j == 0 && t == 1 ? 1.0f : 0.0f);
+        for (int j = 0; j < S; ++j) hc[j] = win[j];
       }
     }
     for (int j = 0; j < S; ++j) sc[j] = win[j];

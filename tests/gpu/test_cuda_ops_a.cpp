@@ -1,0 +1,1 @@
+#include "gpu_test_util.h"
