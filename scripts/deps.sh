@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages k3decode needs, only those missing.
 set -euo pipefail
-pkgs=(cmake g++ ninja-build pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev python3)
+pkgs=(cmake g++ ninja-build pkg-config libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev python3 libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -702,6 +702,45 @@ TEST(OpsSampling, TopPFrequenciesMatchDistribution) {
   expect_match(freq(0.5f, 12), q, "top_p 0.5");
 }
 
+// The documented draw, token for token, on a large vocabulary with tied logits: sort by
+// (probability desc, id asc), keep the smallest prefix reaching top_p, walk its
+// cumulative probabilities up to u * (kept mass) with u = rng.uniform(), one draw per call.
+TEST(OpsSampling, TopPFollowsTheDocumentedDraw) {
+  Rng data(505);
+  const int64_t V = 5003;
+  std::vector<float> logits(V);
+  for (auto& l : logits) l = std::round(static_cast<float>(data.normal() * 3.0) * 4.0f) / 4.0f;  // many ties
+  for (float T : {0.6f, 1.3f}) {
+    std::vector<double> p(V);
+    double mx = *std::max_element(logits.begin(), logits.end()), z = 0;
+    for (int64_t i = 0; i < V; ++i) z += p[i] = std::exp((logits[i] - mx) / T);
+    std::vector<int64_t> order(V);
+    for (int64_t i = 0; i < V; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
+    for (float top_p : {0.05f, 0.3f, 0.9f, 1.0f}) {
+      size_t keep = 0;
+      double kept = 0;
+      while (keep < order.size() && kept < top_p * z) kept += p[order[keep++]];
+      for (uint64_t seed = 0; seed < 40; ++seed) {
+        Rng ours(seed), theirs(seed);
+        const double target = ours.uniform() * kept;
+        int64_t want = order[keep - 1];
+        double cum = 0;
+        for (size_t i = 0; i < keep; ++i) {
+          cum += p[order[i]];
+          if (target < cum) {
+            want = order[i];
+            break;
+          }
+        }
+        ASSERT_EQ(k3::ops::sample_top_p(logits.data(), V, T, top_p, theirs), want)
+            << "T " << T << " top_p " << top_p << " seed " << seed;
+        ASSERT_EQ(ours.next_u64(), theirs.next_u64()) << "one uniform per draw";
+      }
+    }
+  }
+}
+
 TEST(OpsSampling, BadParametersThrow) {
   std::vector<float> logits = {0.5f, 1.0f, -0.25f};
   Rng rng(504);

@@ -594,6 +594,16 @@ void engine_vs_float64(const std::string& variant) {
       for (auto& [l, rows] : sel) longest = std::max(longest, rows.back().size());
       EXPECT_EQ(longest, static_cast<size_t>(c.dsa->index_topk));
     }
+    if (c.is_dsa()) {
+      // The comparison can tell sparse from dense attention: the float64 forward with every token selected
+      // (plain MLA over the same weights) is much further from the engine.
+      k3::ModelConfig dense = c;
+      dense.dsa->index_topk = 1 << 20;
+      RefModel rd(dense, *src);
+      const Agreement ad = compare(rd.forward(tokens), got, V);
+      std::printf("[ reference ]   vs a DENSE float64 forward (no top-k): median %.4f  p95 %.4f  max %.4f\n",
+                  ad.quantile(0.5), ad.quantile(0.95), ad.quantile(1.0));
+    }
     all.rel.insert(all.rel.end(), a.rel.begin(), a.rel.end());
     all.argmax_agree += a.argmax_agree;
 

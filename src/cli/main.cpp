@@ -81,7 +81,8 @@ int main(int argc, char** argv) {
   std::string prompt = "1,2,3", dump;
   int max_new = 16;
   bool json_out = false;
-  CacheOptions cache;
+  EngineOptions eopts;
+  CacheOptions& cache = eopts.cache;
   SamplingParams sp;
   float temperature = 0, top_p = 1;
   auto* gen = app.add_subcommand("generate", "decode a prompt (greedy unless --temperature > 0)");
@@ -130,7 +131,7 @@ int main(int argc, char** argv) {
       sp.stop_at_eos = !ignore_eos;
       cache.max_slots = 1;
       auto [src, config] = open_model(gm);
-      Engine engine(src, config, cache);
+      Engine engine(src, config, eopts);
       GenerateResult r = generate(engine, ids, max_new, sp, !dump.empty());
       if (!dump.empty()) {
         TensorView v{r.logits.data(), DType::F32, {r.positions, config.vocab_size}};

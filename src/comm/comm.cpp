@@ -67,3 +67,51 @@ void CountingComm::reset() {
 }
 
 }  // namespace k3
+
+namespace k3 {
+
+namespace {
+std::vector<bf16> pack_bf16(const float* x, int64_t n) {
+  std::vector<bf16> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(x[i]);
+  return out;
+}
+void unpack_bf16(const std::vector<bf16>& v, float* out) {
+  for (size_t i = 0; i < v.size(); ++i) out[i] = to_float(v[i]);
+}
+}  // namespace
+
+void all_reduce_bf16(Comm& comm, float* data, int64_t count) {
+  auto b = pack_bf16(data, count);
+  comm.all_reduce(b.data(), count, DType::BF16);
+  unpack_bf16(b, data);
+}
+
+void all_gather_bf16(Comm& comm, const float* send, float* recv, int64_t count) {
+  auto s = pack_bf16(send, count);
+  std::vector<bf16> r(static_cast<size_t>(count * comm.size()));
+  comm.all_gather(s.data(), r.data(), count, DType::BF16);
+  unpack_bf16(r, recv);
+}
+
+void reduce_scatter_bf16(Comm& comm, const float* send, float* recv, int64_t count) {
+  auto s = pack_bf16(send, count * comm.size());
+  std::vector<bf16> r(static_cast<size_t>(count));
+  comm.reduce_scatter(s.data(), r.data(), count, DType::BF16);
+  unpack_bf16(r, recv);
+}
+
+void all_to_all_v_bf16(Comm& comm, const float* send, const int64_t* send_counts, float* recv,
+                       const int64_t* recv_counts) {
+  int64_t ns = 0, nr = 0;
+  for (int p = 0; p < comm.size(); ++p) {
+    ns += send_counts[p];
+    nr += recv_counts[p];
+  }
+  auto s = pack_bf16(send, ns);
+  std::vector<bf16> r(static_cast<size_t>(nr));
+  comm.all_to_all_v(s.data(), send_counts, r.data(), recv_counts, DType::BF16);
+  unpack_bf16(r, recv);
+}
+
+}  // namespace k3

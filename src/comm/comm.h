@@ -98,3 +98,15 @@ class CountingComm : public Comm {
 void reduce_sum(const void* const* parts, int n, void* out, int64_t count, DType dt);
 
 }  // namespace k3
+
+namespace k3 {
+
+// CPU-path helpers: activations live in float arrays of BF16 values and travel
+// as BF16 (what the GPU path moves); sums accumulate in FP32 in rank order.
+void all_reduce_bf16(Comm& comm, float* data, int64_t count);
+void all_gather_bf16(Comm& comm, const float* send, float* recv, int64_t count);
+void reduce_scatter_bf16(Comm& comm, const float* send, float* recv, int64_t count);
+void all_to_all_v_bf16(Comm& comm, const float* send, const int64_t* send_counts, float* recv,
+                       const int64_t* recv_counts);
+
+}  // namespace k3

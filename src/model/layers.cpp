@@ -1,10 +1,10 @@
 #include "model/layers.h"
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
-#include "ops/attn_res.h"
 #include "ops/dsa.h"
-#include "ops/embedding.h"
 #include "ops/kda.h"
 #include "ops/linear.h"
 #include "ops/mla.h"
@@ -24,22 +24,25 @@ ops::SituParams situ(const ModelConfig& c) { return {c.situ_beta, c.situ_linear_
 
 void kda_attention(const ModelConfig& c, const KdaWeights& w, int layer, const float* x, const StepShape& s,
                    AttentionCache& cache, float* out) {
-  const int H = c.kda.num_heads, d = c.kda.head_dim, K = c.kda.conv_kernel;
-  const int64_t D = c.hidden_size, C = int64_t{H} * d, rows = s.rows(), q = s.q;
-  Buf raw[3] = {buf(rows * C), buf(rows * C), buf(rows * C)};
-  ops::linear(x, w.q_proj, raw[0].data(), rows, D, C);
-  ops::linear(x, w.k_proj, raw[1].data(), rows, D, C);
-  ops::linear(x, w.v_proj, raw[2].data(), rows, D, C);
-  const float* conv_w[3] = {w.q_conv, w.k_conv, w.v_conv};
-  Buf act[3] = {buf(rows * C), buf(rows * C), buf(rows * C)};
-  Buf fa = buf(rows * d), u = buf(rows * C), g = buf(rows * C), beta = buf(rows * H), gate = buf(rows * C);
-  ops::linear(x, w.f_a, fa.data(), rows, D, d);
+  const int H = w.heads, d = c.kda.head_dim, K = c.kda.conv_kernel;
+  const int64_t D = c.hidden_size, C = int64_t{H} * d, rows = s.rows(), q = s.q, P = w.in_rows;
+  // One projection: columns [q | k | v | g | f_a | b | padding] of in_proj_qkvgfab.
+  Buf proj = buf(rows * P);
+  ops::linear(x, w.in_proj, proj.data(), rows, D, P);
+  auto column = [&](int64_t c0, int64_t n) {
+    Buf o = buf(rows * n);
+    for (int64_t r = 0; r < rows; ++r) std::copy(&proj[r * P + c0], &proj[r * P + c0 + n], &o[r * n]);
+    return o;
+  };
+  Buf raw[3] = {column(0, C), column(C, C), column(2 * C, C)};
+  Buf gate = column(3 * C, C), fa = column(4 * C, d), beta = column(4 * C + d, H);
+  Buf u = buf(rows * C), g = buf(rows * C);
   ops::linear(fa.data(), w.f_b, u.data(), rows, d, C);
   ops::kda_gate(u.data(), w.A_log, w.dt_bias, c.kda.gate_lower_bound, g.data(), rows, H, d);
-  ops::linear(x, w.b_proj, beta.data(), rows, D, H);
   ops::kda_beta(beta.data(), beta.data(), rows, H);
-  ops::linear(x, w.g_proj, gate.data(), rows, D, C);
-  Buf o = buf(rows * C), state = buf(int64_t{H} * d * d), conv_state = buf(C * (K - 1));
+  const float* conv_w[3] = {w.q_conv, w.k_conv, w.v_conv};
+  Buf act[3] = {buf(rows * C), buf(rows * C), buf(rows * C)};
+  Buf o = buf(rows * C), state = buf(C * d), conv_state = buf(C * (K - 1));
   for (int b = 0; b < s.B; ++b) {
     KdaSlotState st = cache.kda(layer, b);
     const int64_t r0 = b * q;
@@ -59,64 +62,152 @@ void kda_attention(const ModelConfig& c, const KdaWeights& w, int layer, const f
   ops::linear(normed.data(), w.o_proj, out, rows, C, D);
 }
 
+namespace {
+
+// DSA: the top-k positions (global over the DCP shards) for each row.
+std::vector<std::vector<int64_t>> dsa_select(const ModelConfig& c, const MlaWeights& w, int layer, const float* x,
+                                             const float* cq, const StepShape& s, AttentionCache& cache,
+                                             const Dcp& dcp) {
+  const int Hi = c.dsa->index_n_heads, Di = c.dsa->index_head_dim;
+  const int64_t D = c.hidden_size, Q = c.mla.q_lora_rank, rows = s.rows(), topk = c.dsa->index_topk;
+  Buf qi = buf(rows * Hi * Di), wi = buf(rows * Hi);
+  ops::linear(cq, w.indexer.wq_b, qi.data(), rows, Q, int64_t{Hi} * Di);
+  ops::linear(x, w.indexer.weights_proj, wi.data(), rows, D, Hi, /*round_out=*/false);
+  const float wscale = 1.0f / std::sqrt(static_cast<float>(Di)) / std::sqrt(static_cast<float>(Hi));
+  for (float& v : wi) v *= wscale;
+  // Local candidates: this rank's positions <= the row's own, their top-k.
+  Buf cand_score = buf(rows * topk);
+  std::vector<int32_t> cand_pos(static_cast<size_t>(rows * topk), -1);
+  std::fill(cand_score.begin(), cand_score.end(), -std::numeric_limits<float>::infinity());
+  std::vector<const float*> keys;
+  std::vector<int64_t> pos, top;
+  Buf scores;
+  for (int b = 0; b < s.B; ++b)
+    for (int i = 0; i < s.q; ++i) {
+      const int64_t r = int64_t{b} * s.q + i, t = s.pos0[b] + i;
+      keys.clear();
+      pos.clear();
+      for (int64_t p = dcp.rank; p <= t; p += dcp.size) {
+        keys.push_back(cache.index_key(layer, b, p));
+        pos.push_back(p);
+      }
+      const int64_t n = static_cast<int64_t>(pos.size());
+      scores.resize(static_cast<size_t>(n));
+      top.resize(static_cast<size_t>(n));
+      ops::dsa_index_scores(&qi[r * Hi * Di], &wi[r * Hi], keys.data(), n, Hi, Di, scores.data());
+      const int64_t kept = ops::topk_indices(scores.data(), n, topk, top.data());
+      for (int64_t j = 0; j < kept; ++j) {
+        cand_score[r * topk + j] = scores[top[j]];
+        cand_pos[r * topk + j] = static_cast<int32_t>(pos[top[j]]);
+      }
+    }
+  std::vector<std::vector<int64_t>> selected(static_cast<size_t>(rows));
+  if (dcp.size == 1) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < topk && cand_pos[r * topk + j] >= 0; ++j) selected[r].push_back(cand_pos[r * topk + j]);
+    return selected;
+  }
+  Buf all_score = buf(dcp.size * rows * topk);
+  std::vector<int32_t> all_pos(static_cast<size_t>(dcp.size * rows * topk));
+  dcp.comm->all_gather(cand_score.data(), all_score.data(), rows * topk, DType::F32);
+  dcp.comm->all_gather(cand_pos.data(), all_pos.data(), rows * topk, DType::I32);
+  std::vector<std::pair<int32_t, float>> cands;
+  for (int64_t r = 0; r < rows; ++r) {
+    cands.clear();
+    for (int m = 0; m < dcp.size; ++m)
+      for (int64_t j = 0; j < topk; ++j) {
+        const int64_t at = (m * rows + r) * topk + j;
+        if (all_pos[at] >= 0) cands.emplace_back(all_pos[at], all_score[at]);
+      }
+    std::sort(cands.begin(), cands.end());  // by position: ties in score go to the lower position
+    scores.resize(cands.size());
+    top.resize(cands.size());
+    for (size_t j = 0; j < cands.size(); ++j) scores[j] = cands[j].second;
+    const int64_t kept = ops::topk_indices(scores.data(), static_cast<int64_t>(cands.size()), topk, top.data());
+    for (int64_t j = 0; j < kept; ++j) selected[r].push_back(cands[top[j]].first);
+  }
+  return selected;
+}
+
+}  // namespace
+
 void mla_attention(const ModelConfig& c, const MlaWeights& w, int layer, const float* x, const StepShape& s,
-                   AttentionCache& cache, float* out) {
+                   AttentionCache& cache, const Dcp& dcp, float* out) {
   const auto& m = c.mla;
-  const int H = m.num_heads, R = m.kv_lora_rank, P = m.qk_rope_head_dim, dn = m.qk_nope_head_dim, dv = m.v_head_dim;
+  const int H = w.heads, R = m.kv_lora_rank, P = m.qk_rope_head_dim, dn = m.qk_nope_head_dim, dv = m.v_head_dim;
   const int64_t D = c.hidden_size, Q = m.q_lora_rank, rows = s.rows(), E = R + P;
+  const int Dc = dcp.size;
   Buf cq = buf(rows * Q), qf = buf(rows * H * (dn + P)), kv = buf(rows * E);
   ops::linear(x, w.q_a, cq.data(), rows, D, Q);
   ops::rmsnorm(cq.data(), w.q_a_norm, cq.data(), rows, Q, c.rms_norm_eps);
   ops::linear(cq.data(), w.q_b, qf.data(), rows, Q, int64_t{H} * (dn + P));
   ops::linear(x, w.kv_a, kv.data(), rows, D, E);
   for (int64_t r = 0; r < rows; ++r) ops::rmsnorm(&kv[r * E], w.kv_a_norm, &kv[r * E], 1, R, c.rms_norm_eps);
-
-  // DSA indexer inputs.
-  const int Hi = c.dsa ? c.dsa->index_n_heads : 0, Di = c.dsa ? c.dsa->index_head_dim : 0;
-  Buf qi, ki, wi;
+  Buf ki;
   if (w.has_indexer) {
-    qi = buf(rows * Hi * Di);
+    const int Di = c.dsa->index_head_dim;
     ki = buf(rows * Di);
-    wi = buf(rows * Hi);
-    ops::linear(cq.data(), w.indexer.wq_b, qi.data(), rows, Q, int64_t{Hi} * Di);
     ops::linear(x, w.indexer.wk, ki.data(), rows, D, Di);
     ops::layernorm(ki.data(), w.indexer.k_norm_w, w.indexer.k_norm_b, ki.data(), rows, Di, c.rms_norm_eps);
-    ops::linear(x, w.indexer.weights_proj, wi.data(), rows, D, Hi, /*round_out=*/false);
-    const float wscale = 1.0f / std::sqrt(static_cast<float>(Di)) / std::sqrt(static_cast<float>(Hi));
-    for (float& v : wi) v *= wscale;
   }
 
-  // Write every row's entries first: a verify token attends to the earlier draft tokens.
+  // Write every row's entries first (a verify token attends to the earlier drafts);
+  // each position lives on DCP rank pos mod D.
   for (int b = 0; b < s.B; ++b)
     for (int i = 0; i < s.q; ++i) {
       const int64_t r = int64_t{b} * s.q + i, pos = s.pos0[b] + i;
+      if (pos % Dc != dcp.rank) continue;
       std::copy(&kv[r * E], &kv[r * E] + E, cache.kv_entry(layer, b, pos));
-      if (w.has_indexer) std::copy(&ki[r * Di], &ki[r * Di] + Di, cache.index_key(layer, b, pos));
+      if (w.has_indexer) {
+        const int Di = c.dsa->index_head_dim;
+        std::copy(&ki[r * Di], &ki[r * Di] + Di, cache.index_key(layer, b, pos));
+      }
     }
+  std::vector<std::vector<int64_t>> selected;
+  if (w.has_indexer) selected = dsa_select(c, w, layer, x, cq.data(), s, cache, dcp);
 
-  Buf qlat = buf(rows * H * E), olat = buf(rows * H * R), lse = buf(H);
+  Buf qlat = buf(rows * H * E);
   ops::mla_absorb_q(qf.data(), w.kv_b, qlat.data(), rows, H, dn, P, dv, R);
+  // Queries of every DCP member's heads: [Dc, rows, H, E].
+  Buf qall = Dc == 1 ? qlat : buf(Dc * rows * H * E);
+  if (Dc > 1) all_gather_bf16(*dcp.comm, qlat.data(), qall.data(), rows * H * E);
   const float scale = 1.0f / std::sqrt(static_cast<float>(dn + P));
-  std::vector<const float*> entries, keys;
-  Buf scores;
-  std::vector<int64_t> top;
+  Buf part_o = buf(Dc * rows * H * R), part_lse = buf(Dc * rows * H);
+  std::vector<const float*> entries;
   for (int b = 0; b < s.B; ++b)
     for (int i = 0; i < s.q; ++i) {
-      const int64_t r = int64_t{b} * s.q + i, n = s.pos0[b] + i + 1;
-      entries.resize(static_cast<size_t>(n));
-      for (int64_t p = 0; p < n; ++p) entries[p] = cache.kv_entry(layer, b, p);
-      int64_t used = n;
+      const int64_t r = int64_t{b} * s.q + i, t = s.pos0[b] + i;
+      entries.clear();
       if (w.has_indexer) {
-        keys.resize(static_cast<size_t>(n));
-        for (int64_t p = 0; p < n; ++p) keys[p] = cache.index_key(layer, b, p);
-        scores.resize(static_cast<size_t>(n));
-        top.resize(static_cast<size_t>(n));
-        ops::dsa_index_scores(&qi[r * Hi * Di], &wi[r * Hi], keys.data(), n, Hi, Di, scores.data());
-        used = ops::topk_indices(scores.data(), n, c.dsa->index_topk, top.data());
-        for (int64_t j = 0; j < used; ++j) entries[j] = cache.kv_entry(layer, b, top[j]);
+        for (int64_t p : selected[r])
+          if (p % Dc == dcp.rank) entries.push_back(cache.kv_entry(layer, b, p));
+      } else {
+        for (int64_t p = dcp.rank; p <= t; p += Dc) entries.push_back(cache.kv_entry(layer, b, p));
       }
-      ops::mla_attend(&qlat[r * H * E], entries.data(), used, H, R, P, scale, &olat[r * H * R], lse.data());
+      for (int mbr = 0; mbr < Dc; ++mbr) {
+        const int64_t at = mbr * rows + r;
+        ops::mla_attend(&qall[at * H * E], entries.data(), static_cast<int64_t>(entries.size()), H, R, P, scale,
+                        &part_o[at * H * R], &part_lse[at * H]);
+      }
     }
+  Buf olat = buf(rows * H * R);
+  if (Dc == 1) {
+    olat = part_o;
+  } else {
+    // Send member m its heads' partials; receive [Dc, rows, H, R] partials of mine and merge.
+    Buf got_o = buf(Dc * rows * H * R), got_lse = buf(Dc * rows * H);
+    std::vector<int64_t> n_o(Dc, rows * H * R), n_lse(Dc, rows * H);
+    dcp.comm->all_to_all_v(part_o.data(), n_o.data(), got_o.data(), n_o.data(), DType::F32);
+    dcp.comm->all_to_all_v(part_lse.data(), n_lse.data(), got_lse.data(), n_lse.data(), DType::F32);
+    Buf po = buf(Dc * H * R), pl = buf(Dc * H), lse = buf(H);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int src = 0; src < Dc; ++src) {
+        std::copy_n(&got_o[(src * rows + r) * H * R], H * R, &po[src * H * R]);
+        std::copy_n(&got_lse[(src * rows + r) * H], H, &pl[src * H]);
+      }
+      ops::lse_merge(po.data(), pl.data(), Dc, H, R, &olat[r * H * R], lse.data());
+    }
+  }
   round_bf16_inplace(olat.data(), static_cast<int64_t>(olat.size()));
   Buf o = buf(rows * H * dv), gate = buf(rows * H * dv);
   ops::mla_unabsorb(olat.data(), w.kv_b, o.data(), rows, H, dn, dv, R);
@@ -125,90 +216,99 @@ void mla_attention(const ModelConfig& c, const MlaWeights& w, int layer, const f
   ops::linear(o.data(), w.o_proj, out, rows, int64_t{H} * dv, D);
 }
 
-void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, float* out) {
+void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, int64_t real, Comm& world,
+             float* out) {
   const auto& e = c.moe;
   const int64_t D = c.hidden_size, L = e.latent_size, I = e.intermediate_size, E = e.num_experts;
-  const int k = e.experts_per_token;
-  Buf logits = buf(rows * E), weights = buf(rows * k);
-  std::vector<int32_t> idx(static_cast<size_t>(rows * k));
-  ops::linear(x, w.gate, logits.data(), rows, D, E, /*round_out=*/false);
-  ops::route(logits.data(), w.gate_bias, rows, static_cast<int>(E), k, e.renormalize, e.routed_scaling_factor,
-             idx.data(), weights.data());
-  Buf z = buf(rows * L);
-  ops::linear(x, w.down, z.data(), rows, D, L);
-  // Each expert runs once on the rows that chose it; per-row sums follow the row's chosen order.
-  Buf expert_out = buf(rows * k * L), zin, zout, scratch;
+  const int k = e.experts_per_token, W = world.size();
+  const int64_t per_rank = E / W;
+  Buf logits = buf(real * E), weights = buf(real * k), z = buf(real * L);
+  std::vector<int32_t> idx(static_cast<size_t>(real * k));
+  if (real > 0) {
+    ops::linear(x, w.gate, logits.data(), real, D, E, /*round_out=*/false);
+    ops::route(logits.data(), w.gate_bias, real, static_cast<int>(E), k, e.renormalize, e.routed_scaling_factor,
+               idx.data(), weights.data());
+    ops::linear(x, w.down, z.data(), real, D, L);
+  }
+  // Dispatch: every (row, choice) goes to the rank owning its expert, in (row, choice) order.
+  std::vector<std::vector<int64_t>> items(W);
+  for (int64_t i = 0; i < real * k; ++i) items[idx[i] / per_rank].push_back(i);
+  std::vector<int32_t> send_n(W), recv_n(W);
+  std::vector<int64_t> ones(W, 1);
+  for (int p = 0; p < W; ++p) send_n[p] = static_cast<int32_t>(items[p].size());
+  world.all_to_all_v(send_n.data(), ones.data(), recv_n.data(), ones.data(), DType::I32);
+  std::vector<int64_t> sc(W), rc(W), scL(W), rcL(W);
+  int64_t nsend = 0, nrecv = 0;
+  for (int p = 0; p < W; ++p) {
+    sc[p] = send_n[p];
+    rc[p] = recv_n[p];
+    scL[p] = sc[p] * L;
+    rcL[p] = rc[p] * L;
+    nsend += sc[p];
+    nrecv += rc[p];
+  }
+  std::vector<int32_t> send_ids, recv_ids(static_cast<size_t>(nrecv));
+  Buf send_z, recv_z = buf(nrecv * L);
+  for (int p = 0; p < W; ++p)
+    for (int64_t i : items[p]) {
+      send_ids.push_back(idx[i]);
+      send_z.insert(send_z.end(), &z[(i / k) * L], &z[(i / k) * L] + L);
+    }
+  send_ids.resize(static_cast<size_t>(nsend));
+  send_z.resize(static_cast<size_t>(nsend * L));
+  world.all_to_all_v(send_ids.data(), sc.data(), recv_ids.data(), rc.data(), DType::I32);
+  all_to_all_v_bf16(world, send_z.data(), scL.data(), recv_z.data(), rcL.data());
+  // Each local expert runs once on the items routed to it.
+  Buf recv_out = buf(nrecv * L), zin, zout, scratch;
   std::vector<int64_t> members;
-  for (int64_t ex = 0; ex < E; ++ex) {
+  for (int64_t ex = 0; ex < static_cast<int64_t>(w.experts.size()); ++ex) {
     members.clear();
-    for (int64_t i = 0; i < rows * k; ++i)
-      if (idx[i] == ex) members.push_back(i);
+    for (int64_t j = 0; j < nrecv; ++j)
+      if (recv_ids[j] == w.expert_begin + ex) members.push_back(j);
     if (members.empty()) continue;
     const int64_t n = static_cast<int64_t>(members.size());
     zin.assign(static_cast<size_t>(n * L), 0.0f);
     zout.assign(static_cast<size_t>(n * L), 0.0f);
     scratch.assign(static_cast<size_t>(2 * n * I), 0.0f);
-    for (int64_t j = 0; j < n; ++j) std::copy(&z[(members[j] / k) * L], &z[(members[j] / k) * L] + L, &zin[j * L]);
+    for (int64_t j = 0; j < n; ++j) std::copy_n(&recv_z[members[j] * L], L, &zin[j * L]);
     const ExpertWeights& xw = w.experts[ex];
     ops::expert_mlp(zin.data(), xw.w1, xw.w3, xw.w2, zout.data(), n, L, I, situ(c), scratch.data());
-    for (int64_t j = 0; j < n; ++j) std::copy(&zout[j * L], &zout[j * L] + L, &expert_out[members[j] * L]);
+    for (int64_t j = 0; j < n; ++j) std::copy_n(&zout[j * L], L, &recv_out[members[j] * L]);
   }
-  Buf y = buf(rows * L);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t j = 0; j < nrecv; ++j)
+    K3_CHECK(recv_ids[j] >= w.expert_begin && recv_ids[j] < w.expert_begin + static_cast<int64_t>(w.experts.size()),
+             "moe: expert {} routed to a rank holding {}..{}", recv_ids[j], w.expert_begin,
+             w.expert_begin + w.experts.size() - 1);
+  // Combine: outputs come back in the order they were sent.
+  Buf back = buf(nsend * L), expert_out = buf(real * k * L);
+  all_to_all_v_bf16(world, recv_out.data(), rcL.data(), back.data(), scL.data());
+  int64_t at = 0;
+  for (int p = 0; p < W; ++p)
+    for (int64_t i : items[p]) std::copy_n(&back[(at++) * L], L, &expert_out[i * L]);
+  std::fill(out, out + rows * D, 0.0f);
+  if (real == 0) return;
+  Buf y = buf(real * L);
+  for (int64_t r = 0; r < real; ++r)
     for (int j = 0; j < k; ++j) {
       const float wt = weights[r * k + j];
       const float* src = &expert_out[(r * k + j) * L];
       for (int64_t i = 0; i < L; ++i) y[r * L + i] += wt * src[i];
     }
-  }
-  round_bf16_inplace(y.data(), rows * L);
-  ops::rmsnorm(y.data(), w.norm, y.data(), rows, L, c.rms_norm_eps);
-  Buf up = buf(rows * D), shared = buf(rows * D);
-  ops::linear(y.data(), w.up, up.data(), rows, L, D);
+  round_bf16_inplace(y.data(), real * L);
+  ops::rmsnorm(y.data(), w.norm, y.data(), real, L, c.rms_norm_eps);
+  Buf up = buf(real * D), shared = buf(real * D);
+  ops::linear(y.data(), w.up, up.data(), real, L, D);
   const int64_t S = e.shared_intermediate();
-  Buf sscratch = buf(2 * rows * S);
-  ops::mlp(x, w.shared_gate, w.shared_up, w.shared_down, shared.data(), rows, D, S, situ(c), sscratch.data());
-  for (int64_t i = 0; i < rows * D; ++i) out[i] = round_bf16(up[i] + shared[i]);
+  Buf sscratch = buf(2 * real * S);
+  ops::mlp(x, w.shared_gate, w.shared_up, w.shared_down, shared.data(), real, D, S, situ(c), sscratch.data());
+  for (int64_t i = 0; i < real * D; ++i) out[i] = round_bf16(up[i] + shared[i]);
 }
 
 void dense_ffn(const ModelConfig& c, const DenseWeights& w, const float* x, int64_t rows, float* out) {
   const int64_t I = c.dense_intermediate_size;
+  if (rows == 0) return;
   Buf scratch = buf(2 * rows * I);
   ops::mlp(x, w.gate, w.up, w.down, out, rows, c.hidden_size, I, situ(c), scratch.data());
-}
-
-void decode_forward(const ModelConfig& c, const ModelWeights& w, const int32_t* tokens, const StepShape& s,
-                    AttentionCache& cache, float* logits) {
-  const LayerPlan plan = LayerPlan::from(c);
-  const int64_t D = c.hidden_size, rows = s.rows();
-  const int nb = plan.num_blocks;
-  Buf P = buf(rows * D), blocks = buf(rows * nb * D), x = buf(rows * D), a = buf(rows * D), m = buf(rows * D);
-  ops::embedding(tokens, rows, w.embed, c.vocab_size, D, P.data());
-  const float eps = c.rms_norm_eps;
-  for (int l = 0; l < c.num_layers; ++l) {
-    const LayerInfo& li = plan.layers[l];
-    const LayerWeights& lw = w.layers[l];
-    ops::AttnResArgs pre{P.data(), l == 0 ? nullptr : m.data(), blocks.data(), nb, lw.attn_res_norm, lw.attn_res_proj,
-                         lw.input_norm, li.blocks_before_attn, li.block_write_idx, eps, eps, x.data(), rows, D};
-    ops::attn_res(pre);
-    if (lw.attn == AttnKind::KDA)
-      kda_attention(c, lw.kda, l, x.data(), s, cache, a.data());
-    else
-      mla_attention(c, lw.mla, l, x.data(), s, cache, a.data());
-    if (li.block_start) std::copy(a.begin(), a.end(), P.begin());  // a new block's partial sum starts as a
-    ops::AttnResArgs post{P.data(), li.block_start ? nullptr : a.data(), blocks.data(), nb, lw.mlp_res_norm,
-                          lw.mlp_res_proj, lw.post_attn_norm, li.blocks_after_attn, -1, eps, eps, x.data(), rows, D};
-    ops::attn_res(post);
-    if (lw.ffn == FfnKind::Dense)
-      dense_ffn(c, lw.dense, x.data(), rows, m.data());
-    else
-      moe_ffn(c, lw.moe, x.data(), rows, m.data());
-  }
-  ops::AttnResArgs fin{P.data(), m.data(), blocks.data(), nb, w.out_res_norm, w.out_res_proj, nullptr, nb, -1, eps, eps,
-                       x.data(), rows, D};
-  ops::attn_res(fin);
-  ops::rmsnorm(x.data(), w.norm, x.data(), rows, D, eps);
-  ops::linear(x.data(), w.lm_head, logits, rows, D, c.vocab_size, /*round_out=*/false);
 }
 
 }  // namespace k3

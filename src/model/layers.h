@@ -25,14 +25,24 @@
 //   shared(x)) with shared the SiTU-GLU MLP of the merged shared experts.
 // Dense (dense_ffn): the SiTU-GLU MLP.
 //
-// decode_forward: the single-rank decoder stack with Attention Residuals
-// (fused attn_res before attention and before the FFN of every layer, the
-// final mix, RMSNorm, lm_head -> FP32 logits).
+// Every module works on this rank's shard of the weights (model/weights.h):
+// attention modules return the o_proj partial sum of the local heads (the
+// caller all-reduces or reduce-scatters it); moe_ffn exchanges rows with the
+// ranks that own the chosen experts (EP over the world group).
+//
+// DCP (mla_attention with dcp.size = D > 1): position p's cache entry lives on
+// DCP rank p mod D. The D ranks all-gather their query latents, each attends
+// every gathered head over its own positions, the partial (o, lse) of each
+// head go back to the rank that owns the head (all-to-all) and merge by
+// log-sum-exp. DSA selects the global top-k: each rank scores its positions
+// and keeps its local top-k, the candidates are all-gathered, and every rank
+// takes the same top-k of the union (ties to the lower position).
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "comm/comm.h"
 #include "config/model_config.h"
 #include "model/weights.h"
 
@@ -58,21 +68,28 @@ class AttentionCache {
  public:
   virtual ~AttentionCache() = default;
   virtual KdaSlotState kda(int layer, int b) = 0;
-  // Latent KV entry [R + P] of request b at position pos (written before it is read).
+  // Latent KV entry [R + P] of request b at position pos (written before it is
+  // read); only positions this DCP rank holds (pos mod D == dcp rank).
   virtual float* kv_entry(int layer, int b, int64_t pos) = 0;
-  // DSA indexer key [Di] of request b at position pos.
+  // DSA indexer key [Di] of request b at position pos (same rule).
   virtual float* index_key(int layer, int b, int64_t pos) = 0;
 };
 
+struct Dcp {
+  Comm* comm = nullptr;  // the DCP group (null when size == 1)
+  int size = 1;
+  int rank = 0;
+};
+
+// x [rows, D] normalized input -> out [rows, D] o_proj partial of the local heads.
 void kda_attention(const ModelConfig& c, const KdaWeights& w, int layer, const float* x, const StepShape& s,
                    AttentionCache& cache, float* out);
 void mla_attention(const ModelConfig& c, const MlaWeights& w, int layer, const float* x, const StepShape& s,
-                   AttentionCache& cache, float* out);
-void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, float* out);
+                   AttentionCache& cache, const Dcp& dcp, float* out);
+// x [rows, D]: the first `real` rows are tokens, the rest padding (never routed,
+// output zero). Collective over `world` (every rank calls it, rows may be 0).
+void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, int64_t real, Comm& world,
+             float* out);
 void dense_ffn(const ModelConfig& c, const DenseWeights& w, const float* x, int64_t rows, float* out);
-
-// tokens [rows] -> logits [rows, V] FP32.
-void decode_forward(const ModelConfig& c, const ModelWeights& w, const int32_t* tokens, const StepShape& s,
-                    AttentionCache& cache, float* logits);
 
 }  // namespace k3

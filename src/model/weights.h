@@ -1,8 +1,21 @@
-// Model weights as views into a TensorSource (memory-mapped checkpoint or
-// in-memory synthetic model): nothing is copied. The loader checks every
-// tensor against the schema (config/schema.h) and fails naming the tensor,
-// its shape/dtype and the expected ones. Tensor names may carry the
-// `language_model.` prefix (the published layout) or not.
+// One rank's model weights, loaded from a TensorSource (memory-mapped
+// checkpoint or in-memory synthetic model). Row slices are views (a rank
+// touches only the pages of the rows it keeps); packed and column-sliced
+// matrices are copies owned here. The loader checks every tensor against the
+// schema (config/schema.h) and fails naming the tensor, its shape/dtype and
+// the expected ones. Tensor names may carry the `language_model.` prefix (the
+// published layout) or not.
+//
+// Sharding (rank t of a TP group of G, world rank w of W = G x DP):
+//   KDA: heads [t Hl, (t+1) Hl), Hl = H / G, packed as in_proj_qkvgfab = rows
+//        [q | k | v | g slices (Hl d each) | f_a whole (d) | b slice (Hl)] padded to a
+//        multiple of 16; conv, f_b, A_log, dt_bias sliced; o_norm whole; o_proj
+//        columns sliced (each rank produces a partial sum).
+//   MLA / DSA: heads sliced in q_b, kv_b, g_proj (rows) and o_proj (columns);
+//        q_a, kv_a, their norms and the DSA indexer replicated.
+//   MoE: router, latent projections, routed norm and shared experts replicated;
+//        routed experts [w E / W, (w+1) E / W) only. Dense MLP replicated.
+//   lm_head: vocabulary rows [t V / G, (t+1) V / G). Embedding replicated.
 //
 // Shapes below use K3's names: D hidden, H heads, d KDA head dim, K conv
 // width, Q q_lora_rank, R kv_lora_rank, P qk_rope_head_dim, dn qk_nope_head_dim,
@@ -20,21 +33,19 @@
 
 namespace k3 {
 
+// Hl = local KDA heads; C = Hl d.
 struct KdaWeights {
-  const bf16* q_proj = nullptr;   // [H*d, D]
-  const bf16* k_proj = nullptr;   // [H*d, D]
-  const bf16* v_proj = nullptr;   // [H*d, D]
-  const bf16* g_proj = nullptr;   // [H*d, D]
-  const float* q_conv = nullptr;  // [H*d, K] F32
-  const float* k_conv = nullptr;  // [H*d, K] F32
-  const float* v_conv = nullptr;  // [H*d, K] F32
-  const bf16* f_a = nullptr;      // [d, D]
-  const bf16* f_b = nullptr;      // [H*d, d]
-  const bf16* b_proj = nullptr;   // [H, D]
-  const float* A_log = nullptr;   // [H] (first H stored values) F32
-  const float* dt_bias = nullptr; // [H*d] F32
+  int heads = 0;                  // Hl
+  int64_t in_rows = 0;            // pad16(4 C + d + Hl)
+  const bf16* in_proj = nullptr;  // [in_rows, D] in_proj_qkvgfab: q, k, v, g, f_a, b, zero padding
+  const float* q_conv = nullptr;  // [C, K] F32
+  const float* k_conv = nullptr;  // [C, K] F32
+  const float* v_conv = nullptr;  // [C, K] F32
+  const bf16* f_b = nullptr;      // [C, d]
+  const float* A_log = nullptr;   // [Hl] F32 (this rank's heads of the stored values)
+  const float* dt_bias = nullptr; // [C] F32
   const float* o_norm = nullptr;  // [d] F32
-  const bf16* o_proj = nullptr;   // [D, H*d]
+  const bf16* o_proj = nullptr;   // [D, C] (columns of this rank's heads)
 };
 
 struct DsaIndexerWeights {
@@ -45,15 +56,17 @@ struct DsaIndexerWeights {
   const bf16* k_norm_b = nullptr;      // [Di]
 };
 
+// Hl = local MLA heads.
 struct MlaWeights {
+  int heads = 0;                   // Hl
   const bf16* q_a = nullptr;       // [Q, D]
   const bf16* q_a_norm = nullptr;  // [Q]
-  const bf16* q_b = nullptr;       // [H*(dn+P), Q]
+  const bf16* q_b = nullptr;       // [Hl*(dn+P), Q]
   const bf16* kv_a = nullptr;      // [R+P, D]
   const bf16* kv_a_norm = nullptr; // [R]
-  const bf16* kv_b = nullptr;      // [H*(dn+dv), R]
-  const bf16* g_proj = nullptr;    // [H*dv, D]
-  const bf16* o_proj = nullptr;    // [D, H*dv]
+  const bf16* kv_b = nullptr;      // [Hl*(dn+dv), R]
+  const bf16* g_proj = nullptr;    // [Hl*dv, D]
+  const bf16* o_proj = nullptr;    // [D, Hl*dv]
   bool has_indexer = false;        // DSA (K3.1)
   DsaIndexerWeights indexer;
 };
@@ -73,7 +86,8 @@ struct MoeWeights {
   const bf16* shared_gate = nullptr;   // [S, D]
   const bf16* shared_up = nullptr;     // [S, D]
   const bf16* shared_down = nullptr;   // [D, S]
-  std::vector<ExpertWeights> experts;  // [E]
+  int expert_begin = 0;                // first global expert id held here
+  std::vector<ExpertWeights> experts;  // [E / W] this rank's experts
 };
 
 struct DenseWeights {
@@ -103,11 +117,23 @@ struct ModelWeights {
   const bf16* out_res_norm = nullptr;     // [D] output_attn_res_norm
   const bf16* out_res_proj = nullptr;     // [D] output_attn_res_proj
   const bf16* norm = nullptr;             // [D] final norm
-  const bf16* lm_head = nullptr;          // [V, D]
+  int64_t vocab_begin = 0;                // first vocabulary row of lm_head held here
+  int64_t vocab_count = 0;                // V / G
+  const bf16* lm_head = nullptr;          // [V / G, D]
+  std::vector<Tensor> owned;              // packed and column-sliced copies
 };
 
-// Validates and views every tensor the config needs. Keeps no reference to
-// `src` beyond the views: the caller keeps `src` alive.
-ModelWeights load_weights(const ModelConfig& config, const TensorSource& src);
+// Which shard of the weights a rank holds.
+struct ShardSpec {
+  int tp_size = 1, tp_rank = 0;        // G, t
+  int world_size = 1, world_rank = 0;  // W = G x DP, w
+};
+
+// Errors (before any tensor is read) when heads, experts or vocabulary do not
+// divide over the ranks.
+void check_shardable(const ModelConfig& config, const ShardSpec& shard);
+
+// Validates and loads this rank's weights. Views point into `src`: the caller keeps it alive.
+ModelWeights load_weights(const ModelConfig& config, const TensorSource& src, const ShardSpec& shard = {});
 
 }  // namespace k3

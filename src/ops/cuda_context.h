@@ -1,6 +1,7 @@
 // What every CUDA launcher may need beyond its pointers: the stream it runs
 // on (never the default stream, so a step can be captured in a CUDA graph),
 // and for cuBLASLt a handle and a workspace allocated once.
+// Launchers return the cudaError_t of their launch as int (0 = cudaSuccess).
 #pragma once
 
 #include <cstddef>

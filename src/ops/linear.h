@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "core/bf16.h"
+#include "ops/cuda_context.h"
 
 namespace k3::ops {
 
@@ -13,3 +14,14 @@ namespace k3::ops {
 void linear(const float* x, const bf16* w, float* y, int64_t rows, int64_t in, int64_t out, bool round_out = true);
 
 }  // namespace k3::ops
+
+namespace k3::ops::cuda {
+
+// x [rows, in] BF16, w [out, in] BF16 -> y [rows, out], BF16 (rounded) or FP32 when y_f32; FP32 accumulation.
+// rows <= kLinearKernelMaxRows: a hand-written kernel streaming W once per 8 rows; more rows: cuBLASLt on
+// ctx.workspace (the kernel again if cuBLASLt has no algorithm). y must not alias x.
+constexpr int64_t kLinearKernelMaxRows = 64;
+int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
+           int64_t out);
+
+}  // namespace k3::ops::cuda

@@ -1,4 +1,4 @@
-// top_p computes the softmax in double and sorts by (probability desc, id asc);
+// top_p computes the softmax in double and orders by (probability desc, id asc);
 // exactly one rng.uniform() is drawn per call. NaN or +inf logits are an Error
 // (-inf masks a token).
 #include "ops/sampling.h"
@@ -37,16 +37,19 @@ int32_t sample_top_p(const float* logits, int64_t vocab, float temperature, floa
     p[i] = std::exp((static_cast<double>(logits[i]) - m) / temperature);
     z += p[i];
   }
+  // Order (probability desc, id asc) is total, so sorting only a top-n prefix gives the
+  // same prefix as a full sort; n grows until the prefix reaches top_p.
   std::vector<int32_t> order(static_cast<size_t>(vocab));
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-
-  // The smallest prefix of the sorted tokens whose probability reaches top_p.
+  const auto before = [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); };
   const double need = static_cast<double>(top_p) * z;
-  int64_t keep = 0;
+  int64_t keep = 0;  // the smallest prefix of the sorted tokens whose probability reaches top_p
   double kept = 0.0;
-  while (keep < vocab) {
-    kept += p[order[keep++]];
+  for (int64_t sorted = 0, n = std::min<int64_t>(vocab, 256); keep < vocab; n = std::min(vocab, n * 8)) {
+    if (n < vocab) std::nth_element(order.begin() + sorted, order.begin() + n, order.end(), before);
+    std::sort(order.begin() + sorted, order.begin() + n, before);
+    sorted = n;
+    while (keep < sorted && kept < need) kept += p[order[keep++]];
     if (kept >= need) break;
   }
 

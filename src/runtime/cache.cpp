@@ -6,13 +6,14 @@
 
 namespace k3 {
 
-Caches::Caches(const ModelConfig& c, const CacheOptions& o) : opt_(o) {
+Caches::Caches(const ModelConfig& c, const CacheOptions& o, int kda_heads, int dcp_size, int dcp_rank)
+    : opt_(o), dcp_size_(dcp_size), dcp_rank_(dcp_rank) {
   K3_CHECK(o.max_slots >= 1, "cache: max_slots {} must be >= 1", o.max_slots);
   K3_CHECK(o.max_context >= 1, "cache: max_context {} must be >= 1", o.max_context);
   K3_CHECK(o.max_q >= 1, "cache: max_q {} must be >= 1", o.max_q);
   K3_CHECK(o.page_size >= 1, "cache: page_size {} must be >= 1", o.page_size);
-  if (opt_.num_pages == 0) opt_.num_pages = int64_t{o.max_slots} * pages_for(o.max_context);
-  const int64_t H = c.kda.num_heads, d = c.kda.head_dim;
+  if (opt_.num_pages == 0) opt_.num_pages = int64_t{o.max_slots} * pages_for(local_tokens(o.max_context));
+  const int64_t H = kda_heads, d = c.kda.head_dim;
   conv_floats_ = H * d * (c.kda.conv_kernel - 1);
   state_floats_ = H * d * d;
   entry_ = c.mla.cache_dim();
@@ -45,9 +46,13 @@ void Caches::reset_slot(int slot) {
   shrink(slot, 0);
 }
 
+int64_t Caches::local_tokens(int64_t tokens) const {
+  return tokens > dcp_rank_ ? (tokens - dcp_rank_ + dcp_size_ - 1) / dcp_size_ : 0;
+}
+
 void Caches::reserve(int slot, int64_t tokens) {
   auto& t = tables_[slot];
-  const int64_t need = pages_for(tokens);
+  const int64_t need = pages_for(local_tokens(tokens));
   K3_CHECK(need - static_cast<int64_t>(t.size()) <= free_pages(), "cache: out of KV pages ({} free, {} needed)",
            free_pages(), need - static_cast<int64_t>(t.size()));
   while (static_cast<int64_t>(t.size()) < need) {
@@ -58,7 +63,7 @@ void Caches::reserve(int slot, int64_t tokens) {
 
 void Caches::shrink(int slot, int64_t tokens) {
   auto& t = tables_[slot];
-  const int64_t keep = pages_for(tokens);
+  const int64_t keep = pages_for(local_tokens(tokens));
   while (static_cast<int64_t>(t.size()) > keep) {
     free_.push_back(t.back());
     t.pop_back();
@@ -93,10 +98,12 @@ KdaSlotState Caches::kda(int layer, int b) {
 
 float* Caches::page_row(std::vector<float>& pool, int slot, int64_t pos, int64_t width) {
   const auto& t = tables_[slot];
-  const int64_t page = pos / opt_.page_size;
-  K3_CHECK(pos >= 0 && page < static_cast<int64_t>(t.size()), "internal: position {} outside slot {}'s {} pages", pos,
-           slot, t.size());
-  return &pool[(static_cast<int64_t>(t[page]) * opt_.page_size + pos % opt_.page_size) * width];
+  K3_CHECK(pos >= 0 && pos % dcp_size_ == dcp_rank_, "internal: position {} is not held by DCP rank {} of {}", pos,
+           dcp_rank_, dcp_size_);
+  const int64_t local = pos / dcp_size_, page = local / opt_.page_size;
+  K3_CHECK(page < static_cast<int64_t>(t.size()), "internal: position {} outside slot {}'s {} pages", pos, slot,
+           t.size());
+  return &pool[(static_cast<int64_t>(t[page]) * opt_.page_size + local % opt_.page_size) * width];
 }
 
 float* Caches::kv_entry(int layer, int b, int64_t pos) {

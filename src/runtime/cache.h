@@ -13,6 +13,10 @@
 // every layer's pool); each slot owns a block table. Entries past a request's
 // committed length are scratch: a verify step writes its draft tokens there and
 // a later step overwrites the rejected ones.
+//
+// On a rank of a TP group the KDA states hold the rank's heads only; with DCP
+// (D ranks) the latent cache holds positions p with p mod D == dcp rank, at
+// local index p / D.
 #pragma once
 
 #include <cstdint>
@@ -33,7 +37,8 @@ struct CacheOptions {
 
 class Caches : public AttentionCache {
  public:
-  Caches(const ModelConfig& c, const CacheOptions& o);
+  // kda_heads: this rank's KDA heads; dcp_size / dcp_rank: its share of the positions.
+  Caches(const ModelConfig& c, const CacheOptions& o, int kda_heads, int dcp_size = 1, int dcp_rank = 0);
 
   const CacheOptions& options() const { return opt_; }
   int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
@@ -41,8 +46,10 @@ class Caches : public AttentionCache {
 
   // Slot lifecycle (the Engine validates arguments before calling these).
   void reset_slot(int slot);                   // zero states, release pages
-  void reserve(int slot, int64_t tokens);      // grow the block table to hold `tokens`
+  void reserve(int slot, int64_t tokens);      // grow the block table to hold positions < tokens
   void shrink(int slot, int64_t tokens);       // release pages past `tokens`
+  int64_t local_tokens(int64_t tokens) const;  // positions < tokens held by this DCP rank
+  int64_t new_pages(int64_t from, int64_t to) const { return pages_for(local_tokens(to)) - pages_for(local_tokens(from)); }
   void commit_kda(int slot, int n);            // history row n-1 -> committed (n >= 1)
 
   // Binds the step's request b to slot slots[b] (AttentionCache's view).
@@ -59,6 +66,7 @@ class Caches : public AttentionCache {
   int64_t state_floats_ = 0;  // H * d * d
   int64_t entry_ = 0;         // R + P
   int64_t index_dim_ = 0;     // Di (0 without DSA)
+  int dcp_size_ = 1, dcp_rank_ = 0;
   std::vector<int> kda_index_, full_index_;  // layer -> index among its kind, or -1
   std::vector<std::vector<float>> conv_;     // [kda layer][slot, 3, C, K-1]
   std::vector<std::vector<float>> conv_hist_;  // [kda layer][slot, 3, max_q, C, K-1]

@@ -2,13 +2,55 @@
 
 #include <algorithm>
 
+#include "comm/local.h"
 #include "model/layers.h"
 
 namespace k3 {
 
-Engine::Engine(std::shared_ptr<const TensorSource> src, const ModelConfig& config, const CacheOptions& options)
-    : src_(std::move(src)), config_(config), weights_(load_weights(config_, *src_)), caches_(config_, options) {
+namespace {
+ShardSpec shard_of(const Layout& L, int w) { return {L.tp, L.tp_rank(w), L.world(), w}; }
+Layout checked(const ModelConfig& c, const Layout& L, int w) {
+  L.validate();
+  K3_CHECK(w >= 0 && w < L.world(), "layout: rank {} outside 0..{}", w, L.world() - 1);
+  check_shardable(c, shard_of(L, w));
+  return L;
+}
+}  // namespace
+
+Engine::Engine(std::shared_ptr<const TensorSource> src, const ModelConfig& config, const EngineOptions& options)
+    : Engine(std::move(src), config, options, Layout{}, 0, std::move(make_local_world(Layout{})[0])) {}
+
+Engine::Engine(std::shared_ptr<const TensorSource> src, const ModelConfig& config, const EngineOptions& options,
+               const Layout& layout, int world_rank, RankGroups groups)
+    : src_(std::move(src)),
+      config_(config),
+      opts_(options),
+      layout_(checked(config_, layout, world_rank)),
+      world_rank_(world_rank),
+      plan_(LayerPlan::from(config_)),
+      weights_(load_weights(config_, *src_, shard_of(layout_, world_rank))),
+      caches_(config_, options.cache, config_.kda.num_heads / layout_.tp, layout_.dcp, layout_.dcp_rank(world_rank)),
+      tp_(std::make_unique<CountingComm>(std::move(groups.tp))),
+      dcp_(std::make_unique<CountingComm>(std::move(groups.dcp))),
+      world_(std::make_unique<CountingComm>(std::move(groups.world))) {
+  K3_CHECK(tp_->size() == layout_.tp && dcp_->size() == layout_.dcp && world_->size() == layout_.world(),
+           "layout: groups of sizes tp {} dcp {} world {} for --tp {} --dcp {} --dp {}", tp_->size(), dcp_->size(),
+           world_->size(), layout_.tp, layout_.dcp, layout_.dp);
+  for (int a : opts_.aux_layers)
+    K3_CHECK(a >= 0 && a <= config_.num_layers, "aux layer {} outside 0..{}", a, config_.num_layers);
   slots_.resize(static_cast<size_t>(caches_.options().max_slots));
+}
+
+void Engine::reset_counts() {
+  tp_->reset();
+  dcp_->reset();
+  world_->reset();
+}
+
+StepKind Engine::choose_step(int64_t rows, int q) const {
+  if (opts_.step != StepKind::Auto) return opts_.step;
+  const int64_t c = (rows + layout_.tp - 1) / layout_.tp;
+  return q > 1 && rows % q == 0 && c <= opts_.moe_capacity ? StepKind::Hybrid : StepKind::Stock;
 }
 
 void Engine::check_slot(int slot, const char* what) const {
@@ -46,7 +88,7 @@ bool Engine::pending(int slot) const {
 std::vector<float> Engine::step(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
   const auto& o = caches_.options();
   const int B = static_cast<int>(slots.size());
-  K3_CHECK(B >= 1, "step: no requests");
+  K3_CHECK(B >= 1 || layout_.world() > 1, "step: no requests");
   K3_CHECK(q >= 1 && q <= o.max_q, "step: q = {} outside 1..{} (max_q)", q, o.max_q);
   K3_CHECK(static_cast<int64_t>(tokens.size()) == int64_t{B} * q, "step: {} tokens for {} requests x q = {}",
            tokens.size(), B, q);
@@ -58,7 +100,7 @@ std::vector<float> Engine::step(std::span<const int> slots, int q, std::span<con
     K3_CHECK(s.pending_q == 0, "step: slot {} has an uncommitted step (commit it first)", slots[b]);
     K3_CHECK(s.length + q <= o.max_context, "step: slot {} is full: {} + {} tokens exceed the cache of {} tokens",
              slots[b], s.length, q, o.max_context);
-    new_pages += std::max<int64_t>(0, caches_.pages_for(s.length + q) - caches_.pages_for(s.length));
+    new_pages += caches_.new_pages(s.length, s.length + q);
   }
   for (size_t i = 0; i < tokens.size(); ++i)
     K3_CHECK(tokens[i] >= 0 && tokens[i] < config_.vocab_size, "step: token id {} (row {}) outside vocab 0..{}",
@@ -77,9 +119,20 @@ std::vector<float> Engine::step(std::span<const int> slots, int q, std::span<con
     s.pending_q = q;
   }
   caches_.bind(bound);
-  std::vector<float> logits(static_cast<size_t>(shape.rows() * config_.vocab_size));
-  decode_forward(config_, weights_, tokens.data(), shape, caches_, logits.data());
-  return logits;
+  StepEnv env;
+  env.config = &config_;
+  env.plan = &plan_;
+  env.weights = &weights_;
+  env.cache = &caches_;
+  env.tp = tp_.get();
+  env.world = world_.get();
+  env.dcp = Dcp{dcp_.get(), layout_.dcp, layout_.dcp_rank(world_rank_)};
+  env.aux_layers = opts_.aux_layers;
+  last_step_ = choose_step(shape.rows(), q);
+  StepOutput out = last_step_ == StepKind::Hybrid ? HybridStep::run(env, tokens.data(), shape)
+                                                   : StockStep::run(env, tokens.data(), shape);
+  last_aux_ = std::move(out.aux);
+  return std::move(out.logits);
 }
 
 void Engine::commit(int slot, int n) {

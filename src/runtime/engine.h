@@ -7,6 +7,13 @@
 // by n and its KDA state becomes the state after exactly those n tokens.
 // prefill() feeds a prompt in chunks of max_q, committing each.
 //
+// On a multi-rank layout every rank of a DP replica holds an Engine with the
+// same requests and calls step() with the same arguments; the replicas step
+// together (a replica with no requests steps with B = 0: the MoE exchange
+// spans every rank). The step kind: `auto` takes the hybrid step for a row
+// count m when q > 1, m % q == 0 and ceil(m / G) <= moe_capacity, else stock
+// (the seed's rule); `stock` and `hybrid` force one.
+//
 // Bad input (unknown or busy slot, token id out of range, a step past the
 // cache, too many requests) is an Error raised before anything is written, so
 // no other request's state is touched.
@@ -16,20 +23,35 @@
 #include <span>
 #include <vector>
 
+#include "comm/comm.h"
 #include "config/model_config.h"
 #include "io/checkpoint.h"
 #include "model/weights.h"
 #include "runtime/cache.h"
+#include "runtime/steps.h"
 
 namespace k3 {
 
+struct EngineOptions {
+  EngineOptions(const CacheOptions& c = {}) : cache(c) {}  // NOLINT: a CacheOptions is a complete EngineOptions
+  CacheOptions cache;
+  StepKind step = StepKind::Auto;
+  int64_t moe_capacity = 256;   // per-rank MoE token capacity (auto's rule)
+  std::vector<int> aux_layers;  // capture the stream entering these layers (0 = embeddings; L = after the last)
+};
+
 class Engine {
  public:
-  // `src` holds the tensors `weights` view; the engine keeps it alive.
-  Engine(std::shared_ptr<const TensorSource> src, const ModelConfig& config, const CacheOptions& options);
+  // Single rank: the whole model, trivial groups.
+  Engine(std::shared_ptr<const TensorSource> src, const ModelConfig& config, const EngineOptions& options);
+  // Rank `world_rank` of `layout`, with its groups (comm/local.h, comm/mpi.h).
+  Engine(std::shared_ptr<const TensorSource> src, const ModelConfig& config, const EngineOptions& options,
+         const Layout& layout, int world_rank, RankGroups groups);
 
   const ModelConfig& config() const { return config_; }
   const CacheOptions& options() const { return caches_.options(); }
+  const Layout& layout() const { return layout_; }
+  int world_rank() const { return world_rank_; }
 
   int admit();                        // a free slot; Error when all are taken
   void release(int slot);
@@ -42,6 +64,15 @@ class Engine {
   // Feeds `prompt` and commits it; returns the logits of every prompt position [len, V].
   std::vector<float> prefill(int slot, std::span<const int32_t> prompt);
 
+  StepKind choose_step(int64_t rows, int q) const;
+  StepKind last_step() const { return last_step_; }
+  const std::vector<float>& last_aux() const { return last_aux_; }  // [aux layers, rows, D]
+  // Collective counts of this rank's groups (tests and docs).
+  const CountingComm& tp_comm() const { return *tp_; }
+  const CountingComm& dcp_comm() const { return *dcp_; }
+  const CountingComm& world_comm() const { return *world_; }
+  void reset_counts();
+
  private:
   struct Slot {
     bool active = false;
@@ -52,9 +83,16 @@ class Engine {
 
   std::shared_ptr<const TensorSource> src_;
   ModelConfig config_;
+  EngineOptions opts_;
+  Layout layout_;
+  int world_rank_ = 0;
+  LayerPlan plan_;
   ModelWeights weights_;
   Caches caches_;
+  std::unique_ptr<CountingComm> tp_, dcp_, world_;
   std::vector<Slot> slots_;
+  StepKind last_step_ = StepKind::Auto;
+  std::vector<float> last_aux_;
 };
 
 }  // namespace k3
