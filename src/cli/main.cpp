@@ -13,7 +13,11 @@
 #include "config/schema.h"
 #include "io/safetensors.h"
 #include "io/synthetic.h"
+#include "runtime/cluster.h"
 #include "runtime/generate.h"
+#ifdef K3_MPI
+#include "comm/mpi.h"
+#endif
 
 namespace {
 
@@ -78,7 +82,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   ModelArgs gm;
-  std::string prompt = "1,2,3", dump;
+  std::vector<std::string> prompts = {"1,2,3"};
+  std::string dump, step = "auto", comm = "local";
+  Layout layout;
   int max_new = 16;
   bool json_out = false;
   EngineOptions eopts;
@@ -87,7 +93,16 @@ int main(int argc, char** argv) {
   float temperature = 0, top_p = 1;
   auto* gen = app.add_subcommand("generate", "decode a prompt (greedy unless --temperature > 0)");
   add_model_args(gen, gm);
-  gen->add_option("--prompt", prompt, "prompt token ids, comma separated")->capture_default_str();
+  gen->add_option("--prompt", prompts, "prompt token ids, comma separated; repeat for more requests")
+      ->capture_default_str();
+  gen->add_option("--tp", layout.tp, "tensor-parallel group size G")->capture_default_str();
+  gen->add_option("--dp", layout.dp, "data-parallel replicas (requests are spread over them)")->capture_default_str();
+  gen->add_option("--dcp", layout.dcp, "decode context parallel size inside the TP group")->capture_default_str();
+  gen->add_option("--step", step, "decode step: auto | stock | hybrid")->capture_default_str();
+  gen->add_option("--comm", comm, "collectives: local (ranks as threads) | mpi (one process per rank)")
+      ->capture_default_str();
+  gen->add_option("--max-slots", cache.max_slots, "concurrent requests per replica")->capture_default_str();
+  gen->add_option("--aux-layers", eopts.aux_layers, "capture the hidden stream entering these layers (--json prints norms)");
   gen->add_option("--max-new", max_new, "tokens to generate")->capture_default_str();
   gen->add_flag("--json", json_out, "print one JSON object (key tokens: the generated ids)");
   gen->add_option("--dump-logits", dump, "write the logits of every fed position to a safetensors file (F32 logits [positions, vocab])");
@@ -122,28 +137,58 @@ int main(int argc, char** argv) {
 
   try {
     if (*gen) {
-      auto ids = parse_ids(prompt);
+      std::vector<std::vector<int32_t>> ids;
+      for (const auto& p : prompts) ids.push_back(parse_ids(p));
       if (temperature > 0) {
         sp.greedy = false;
         sp.temperature = temperature;
         sp.top_p = top_p;
       }
       sp.stop_at_eos = !ignore_eos;
-      cache.max_slots = 1;
+      K3_CHECK(step == "auto" || step == "stock" || step == "hybrid", "--step {}: expected auto | stock | hybrid", step);
+      eopts.step = step == "stock" ? StepKind::Stock : step == "hybrid" ? StepKind::Hybrid : StepKind::Auto;
+      layout.validate();
       auto [src, config] = open_model(gm);
-      Engine engine(src, config, eopts);
-      GenerateResult r = generate(engine, ids, max_new, sp, !dump.empty());
+      std::vector<GenerateResult> results;
+      bool printer = true;
+      if (comm == "local") {
+        LocalCluster cluster(src, config, eopts, layout);
+        std::vector<std::vector<GenerateResult>> per_rank(layout.world());
+        cluster.run([&](int w, Engine& e) { per_rank[w] = generate(e, ids, max_new, sp, !dump.empty()); });
+        results = std::move(per_rank[0]);
+      } else if (comm == "mpi") {
+#ifdef K3_MPI
+        MpiRuntime mpi(&argc, &argv);
+        int w = mpi.world_rank();
+        Engine engine(src, config, eopts, layout, w, make_mpi_groups(layout));
+        results = generate(engine, ids, max_new, sp, !dump.empty());
+        printer = w == 0;
+#else
+        fail("--comm mpi: this build has no MPI (install libopenmpi-dev and rebuild)");
+#endif
+      } else {
+        fail("--comm {}: expected local | mpi", comm);
+      }
+      if (!printer) return 0;
+      const GenerateResult& r = results[0];
       if (!dump.empty()) {
         TensorView v{r.logits.data(), DType::F32, {r.positions, config.vocab_size}};
-        write_safetensors(dump, {{"logits", v}}, {{"prompt", join(ids, ",")}, {"tokens", join(r.tokens, ",")}});
+        write_safetensors(dump, {{"logits", v}}, {{"prompt", join(ids[0], ",")}, {"tokens", join(r.tokens, ",")}});
       }
       if (json_out) {
-        nlohmann::json j = {{"tokens", r.tokens},   {"prompt", ids},
+        nlohmann::json reqs = nlohmann::json::array();
+        for (const auto& x : results) reqs.push_back({{"tokens", x.tokens}, {"stop", x.hit_eos ? "eos" : "length"}});
+        nlohmann::json j = {{"tokens", r.tokens},
+                            {"prompt", ids[0]},
                             {"stop", r.hit_eos ? "eos" : "length"},
+                            {"requests", reqs},
+                            {"layout", {{"tp", layout.tp}, {"dp", layout.dp}, {"dcp", layout.dcp}}},
+                            {"step", step},
+                            {"comm", comm},
                             {"model", gm.dir.empty() ? "embedded:" + gm.preset + ":" + gm.variant : gm.dir}};
         std::cout << j.dump() << "\n";
       } else {
-        std::cout << join(r.tokens, " ") << "\n";
+        for (const auto& x : results) std::cout << join(x.tokens, " ") << "\n";
       }
     } else if (*mk) {
       ModelConfig c = preset_config(preset, variant);

@@ -13,6 +13,7 @@ namespace k3::ops {
 
 void attn_res(const AttnResArgs& a) {
   K3_CHECK(a.rows >= 0 && a.dim > 0, "attn_res: bad shape rows {} dim {}", a.rows, a.dim);
+  if (a.rows == 0) return;  // a replica with no requests this step
   K3_CHECK(a.prefix != nullptr && a.out != nullptr && a.norm_w != nullptr && a.proj_w != nullptr,
            "attn_res: prefix, out, norm_w and proj_w are required");
   K3_CHECK(a.out != a.prefix, "attn_res: out must not alias prefix");

@@ -1,1 +1,390 @@
-// CUDA kernels: in progress
+// CUDA kernels of the DSA lightning indexer and its top-k (see dsa.h for the math).
+//
+//   dsa_index_scores_paged: a CTA (4 warps) owns one token and a chunk of 512 candidate
+//     positions. q_idx [Hi, Di] and the per-head weights sit in shared memory; key tiles of
+//     64 (gathered through the block table with cp.async) are multiplied on tensor cores
+//     (mma.sync m16n8k16, BF16 inputs, FP32 accumulation; warp w: keys 16w .. 16w+15,
+//     all heads as M tiles), then relu, weighted by w_h and summed over the heads in FP32
+//     (in-thread, then over the 8 row groups of the warp with shuffles). Columns past the
+//     token's context get -inf.
+//   topk_indices: one CTA of 1024 threads per row. A radix select (4 passes of 8 bits over
+//     order-preserving keys, NaN as -inf, -0 as +0) finds the k-th largest key; the keys
+//     above it and the lowest-index ties equal to it (a block scan in index order) are
+//     gathered as 64-bit (key, ~index) pairs and bitonic-sorted descending in shared
+//     memory, which is exactly (score desc, index asc) - the CPU's order.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "ops/dsa.h"
+
+namespace k3::ops::cuda {
+namespace {
+
+using bf16raw = __nv_bfloat16;
+
+__device__ __forceinline__ uint32_t ld_u32(const bf16raw* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// D += A B on tensor cores (see mla.cu for the fragment layout).
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------- indexer scores
+constexpr int kIdxWarps = 4;
+constexpr int kIdxThreads = kIdxWarps * 32;
+constexpr int kKT = 16 * kIdxWarps;  // keys per tile: 16 per warp
+constexpr int kIdxChunk = 512;       // candidate positions per CTA
+constexpr int kMaxMT = 4;            // M tiles of heads: Hi <= 64
+
+__host__ __device__ inline int idx_dk16(int Di) { return (Di + 15) & ~15; }
+__host__ __device__ inline int idx_dk(int Di) { return idx_dk16(Di) + 8; }
+inline size_t idx_smem_bytes(int Hi, int Di) {
+  const size_t hp = static_cast<size_t>((Hi + 15) & ~15), dk = static_cast<size_t>(idx_dk(Di));
+  return 2 * (hp * dk + kKT * dk) + 4 * hp;
+}
+
+struct IndexParams {
+  const bf16raw* q_idx;    // [T, Hi, Di]
+  const float* w;          // [T, Hi]
+  const bf16raw* pool;     // [num_pages, page_size, Di]
+  const int32_t* tables;   // [B, max_pages]
+  const int32_t* ctx_len;  // [T]
+  float* scores;           // [T, max_ctx]
+  int max_pages, page_size, q_len, max_ctx, Hi, Di;
+};
+
+__global__ void __launch_bounds__(kIdxThreads) dsa_index_scores_kernel(const IndexParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int Di = p.Di, Hi = p.Hi;
+  const int dk16 = idx_dk16(Di), dk = idx_dk(Di);
+  const int HP = (Hi + 15) & ~15, MT = HP / 16;
+  bf16raw* Qs = reinterpret_cast<bf16raw*>(smem);  // [HP][dk]
+  bf16raw* Ks = Qs + HP * dk;                       // [kKT][dk]
+  float* ws = reinterpret_cast<float*>(Ks + kKT * dk);  // [HP]
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
+  const int64_t t = blockIdx.y;
+  const int64_t b = t / p.q_len;
+  const int n = max(0, min(p.ctx_len[t], p.max_ctx));
+  const int c0 = blockIdx.x * kIdxChunk;
+  const int c_end = min(c0 + kIdxChunk, p.max_ctx);
+  float* srow = p.scores + t * p.max_ctx;
+  for (int col = max(c0, n) + tid; col < c_end; col += kIdxThreads) srow[col] = -INFINITY;
+  const int c1 = min(c_end, n);
+  if (c0 >= c1) return;  // CTA-uniform
+
+  const int cpr = Di / 8;  // 16-byte chunks per key
+  for (int i = tid; i < HP * (dk16 / 8); i += kIdxThreads) {
+    const int h = i / (dk16 / 8), c = i % (dk16 / 8);
+    uint4 val = make_uint4(0u, 0u, 0u, 0u);
+    if (h < Hi && c < cpr) val = *reinterpret_cast<const uint4*>(p.q_idx + (t * Hi + h) * Di + c * 8);
+    *reinterpret_cast<uint4*>(Qs + h * dk + c * 8) = val;
+  }
+  for (int h = tid; h < HP; h += kIdxThreads) ws[h] = h < Hi ? p.w[t * Hi + h] : 0.f;
+  if (dk16 != Di) {  // K padding of the key tile (Di % 8 == 0: one 16-byte chunk per row)
+    for (int i = tid; i < kKT; i += kIdxThreads) *reinterpret_cast<uint4*>(Ks + i * dk + Di) = make_uint4(0u, 0u, 0u, 0u);
+  }
+
+  for (int j0 = c0; j0 < c1; j0 += kKT) {
+    {  // 2 threads per key
+      const int kn = tid >> 1, part0 = tid & 1;
+      const int pos = j0 + kn;
+      bool valid = pos < c1;
+      const bf16raw* src = p.pool;
+      if (valid) {
+        const int pg = pos / p.page_size;
+        valid = pg < p.max_pages;
+        if (valid) {
+          const int64_t page = p.tables[b * p.max_pages + pg];
+          valid = page >= 0;
+          if (valid) src = p.pool + (page * p.page_size + pos % p.page_size) * Di;
+        }
+      }
+      bf16raw* dst = Ks + kn * dk;
+      for (int c = part0; c < cpr; c += 2) cp_async16(dst + c * 8, valid ? src + c * 8 : p.pool, valid);
+      cp_async_commit();
+      cp_async_wait_all();
+    }
+    __syncthreads();
+
+    float acc[kMaxMT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < kMaxMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+    const bf16raw* K0 = Ks + (warp * 16 + g) * dk + 2 * tq;
+    const bf16raw* K1 = K0 + 8 * dk;
+    for (int kk = 0; kk < dk16; kk += 16) {
+      const uint32_t b00 = ld_u32(K0 + kk), b01 = ld_u32(K0 + kk + 8);
+      const uint32_t b10 = ld_u32(K1 + kk), b11 = ld_u32(K1 + kk + 8);
+#pragma unroll
+      for (int mt = 0; mt < kMaxMT; ++mt) {
+        if (mt < MT) {
+          const bf16raw* Qg = Qs + (mt * 16 + g) * dk + 2 * tq + kk;
+          const bf16raw* Qg8 = Qg + 8 * dk;
+          const uint32_t a0 = ld_u32(Qg), a1 = ld_u32(Qg8), a2 = ld_u32(Qg + 8), a3 = ld_u32(Qg8 + 8);
+          mma_bf16_16816(acc[mt][0], a0, a1, a2, a3, b00, b01);
+          mma_bf16_16816(acc[mt][1], a0, a1, a2, a3, b10, b11);
+        }
+      }
+    }
+    // score = sum_h w_h relu(q_h . k): this thread's rows g, g+8 of each M tile, then over g.
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+      for (int mt = 0; mt < kMaxMT; ++mt) {
+        if (mt < MT) {
+          const float w0 = ws[mt * 16 + g], w1 = ws[mt * 16 + g + 8];
+          s0 += w0 * fmaxf(acc[mt][nt][0], 0.f) + w1 * fmaxf(acc[mt][nt][2], 0.f);
+          s1 += w0 * fmaxf(acc[mt][nt][1], 0.f) + w1 * fmaxf(acc[mt][nt][3], 0.f);
+        }
+      }
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) {
+        s0 += __shfl_xor_sync(0xffffffffu, s0, off);
+        s1 += __shfl_xor_sync(0xffffffffu, s1, off);
+      }
+      if (g == 0) {
+        const int col = j0 + warp * 16 + nt * 8 + 2 * tq;
+        if (col < c1) srow[col] = s0;
+        if (col + 1 < c1) srow[col + 1] = s1;
+      }
+    }
+    __syncthreads();  // the next tile overwrites Ks
+  }
+}
+
+// ---------------------------------------------------------------- top-k
+constexpr int kTopkThreads = 1024;
+constexpr int kTopkWarps = kTopkThreads / 32;
+constexpr int kTopkMax = 2048;
+constexpr int kHistUnroll = 8;  // loads in flight per thread in the histogram passes
+constexpr int kCollectPer = 4;  // consecutive elements per thread in the gather pass
+
+// Order-preserving key: a > b as floats (NaN as -inf, -0 as +0) <=> key(a) > key(b).
+__device__ __forceinline__ uint32_t float_key(float s) {
+  uint32_t u = __float_as_uint(s);
+  if (s != s) u = 0xff800000u;    // NaN ranks as -inf
+  if (u == 0x80000000u) u = 0u;   // -0 ties with +0
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ unsigned long long pair_key(uint32_t key, int i) {
+  return (static_cast<unsigned long long>(key) << 32) | static_cast<uint32_t>(0xffffffffu - static_cast<uint32_t>(i));
+}
+
+__global__ void __launch_bounds__(kTopkThreads)
+    topk_kernel(const float* __restrict__ scores, int64_t ld, const int32_t* __restrict__ n_arr, int k,
+                int32_t* __restrict__ idx, int32_t* __restrict__ count) {
+  __shared__ unsigned long long buf[kTopkMax];
+  __shared__ unsigned hist[256];
+  __shared__ unsigned warp_cnt[kTopkWarps];
+  __shared__ int sh_digit, sh_need;
+  __shared__ unsigned sh_gt;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t t = blockIdx.x;
+  const float* row = scores + t * ld;
+  const int n = static_cast<int>(max(static_cast<int64_t>(0), min(static_cast<int64_t>(n_arr[t]), ld)));
+  const int m = min(k, n);
+  int32_t* out = idx + t * k;
+  if (m == 0) {
+    for (int j = tid; j < k; j += kTopkThreads) out[j] = -1;
+    if (tid == 0) count[t] = 0;
+    return;
+  }
+
+  if (m == n) {  // every candidate is selected
+    for (int i = tid; i < n; i += kTopkThreads) buf[i] = pair_key(float_key(row[i]), i);
+  } else {
+    // Radix select: the m-th largest key `thr`, and how many keys equal to it are taken (need).
+    uint32_t prefix = 0u, mask = 0u;
+    int need = m;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int i = tid; i < 256; i += kTopkThreads) hist[i] = 0u;
+      __syncthreads();
+      for (int base = 0; base < n; base += kHistUnroll * kTopkThreads) {
+        float v[kHistUnroll];
+#pragma unroll
+        for (int u = 0; u < kHistUnroll; ++u) {
+          const int i = base + u * kTopkThreads + tid;
+          v[u] = i < n ? row[i] : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < kHistUnroll; ++u) {
+          const int i = base + u * kTopkThreads + tid;
+          if (i < n) {
+            const uint32_t key = float_key(v[u]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+          }
+        }
+      }
+      __syncthreads();
+      if (warp == 0) {
+        // Lane L holds digits 255 - 8L down to 248 - 8L; the scan runs from the largest digit.
+        unsigned c[8], local = 0u;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          c[u] = hist[255 - 8 * lane - u];
+          local += c[u];
+        }
+        unsigned incl = local;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const unsigned v = __shfl_up_sync(0xffffffffu, incl, off);
+          if (lane >= off) incl += v;
+        }
+        const unsigned excl = incl - local;
+        if (excl < static_cast<unsigned>(need) && static_cast<unsigned>(need) <= incl) {
+          unsigned run = excl;
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            if (run + c[u] >= static_cast<unsigned>(need)) {
+              sh_digit = 255 - 8 * lane - u;
+              sh_need = need - static_cast<int>(run);
+              break;
+            }
+            run += c[u];
+          }
+        }
+      }
+      __syncthreads();
+      prefix |= static_cast<uint32_t>(sh_digit) << shift;
+      mask |= 255u << shift;
+      need = sh_need;
+      __syncthreads();  // sh_digit / sh_need / hist are rewritten by the next pass
+    }
+    const uint32_t thr = prefix;
+    const int gt_total = m - need;  // keys > thr; then the `need` lowest-index keys == thr
+
+    // Gather in index order: chunks of kCollectPer consecutive elements per thread.
+    if (tid == 0) sh_gt = 0u;
+    __syncthreads();
+    int eq_base = 0;
+    for (int base = 0; base < n; base += kCollectPer * kTopkThreads) {
+      uint32_t keys[kCollectPer];
+      int eq_local = 0;
+#pragma unroll
+      for (int u = 0; u < kCollectPer; ++u) {
+        const int i = base + tid * kCollectPer + u;
+        keys[u] = i < n ? float_key(row[i]) : 0u;
+        if (i < n) {
+          if (keys[u] > thr) buf[atomicAdd(&sh_gt, 1u)] = pair_key(keys[u], i);
+          if (keys[u] == thr) ++eq_local;
+        }
+      }
+      // Exclusive prefix of eq_local over the block, in thread (= index) order.
+      unsigned incl = static_cast<unsigned>(eq_local);
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += v;
+      }
+      if (lane == 31) warp_cnt[warp] = incl;
+      __syncthreads();
+      unsigned before = 0u, total = 0u;
+      for (int w = 0; w < kTopkWarps; ++w) {
+        const unsigned cw = warp_cnt[w];
+        if (w < warp) before += cw;
+        total += cw;
+      }
+      int rank = eq_base + static_cast<int>(before + incl) - eq_local;
+#pragma unroll
+      for (int u = 0; u < kCollectPer; ++u) {
+        const int i = base + tid * kCollectPer + u;
+        if (i < n && keys[u] == thr) {
+          if (rank < need) buf[gt_total + rank] = pair_key(keys[u], i);
+          ++rank;
+        }
+      }
+      eq_base += static_cast<int>(total);
+      __syncthreads();  // warp_cnt is rewritten by the next chunk
+    }
+  }
+
+  // Bitonic sort of buf[0, P2) descending (padding 0 sorts last: every real pair key is > 0).
+  int P2 = 1;
+  while (P2 < m) P2 <<= 1;
+  for (int i = m + tid; i < P2; i += kTopkThreads) buf[i] = 0ull;
+  __syncthreads();
+  for (int k2 = 2; k2 <= P2; k2 <<= 1) {
+    for (int j = k2 >> 1; j > 0; j >>= 1) {
+      for (int i = tid; i < P2; i += kTopkThreads) {
+        const int ixj = i ^ j;
+        if (ixj > i) {
+          const unsigned long long a = buf[i], c = buf[ixj];
+          const bool desc = (i & k2) == 0;
+          if (desc ? (a < c) : (a > c)) {
+            buf[i] = c;
+            buf[ixj] = a;
+          }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  for (int j = tid; j < k; j += kTopkThreads)
+    out[j] = j < m ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(buf[j] & 0xffffffffull)) : -1;
+  if (tid == 0) count[t] = m;
+}
+
+}  // namespace
+
+int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_pool, const int32_t* block_tables,
+                           int max_pages, int page_size, const int32_t* ctx_len, int B, int q_len, int max_ctx, int Hi,
+                           int Di, float* scores, CUstream_st* stream) {
+  if (B < 0 || q_len < 0 || max_ctx < 0 || Hi <= 0 || Hi > 16 * kMaxMT || Di <= 0 || Di % 8 != 0 || page_size <= 0 ||
+      max_pages < 0)
+    return cudaErrorInvalidValue;
+  const int64_t T = static_cast<int64_t>(B) * q_len;
+  if (T == 0 || max_ctx == 0) return cudaSuccess;
+  if (T > 65535) return cudaErrorInvalidValue;
+  IndexParams p{};
+  p.q_idx = reinterpret_cast<const bf16raw*>(q_idx);
+  p.w = w;
+  p.pool = reinterpret_cast<const bf16raw*>(key_pool);
+  p.tables = block_tables;
+  p.ctx_len = ctx_len;
+  p.scores = scores;
+  p.max_pages = max_pages;
+  p.page_size = page_size;
+  p.q_len = q_len;
+  p.max_ctx = max_ctx;
+  p.Hi = Hi;
+  p.Di = Di;
+  const size_t smem = idx_smem_bytes(Hi, Di);
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(dsa_index_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  const dim3 grid(static_cast<unsigned>((max_ctx + kIdxChunk - 1) / kIdxChunk), static_cast<unsigned>(T));
+  dsa_index_scores_kernel<<<grid, kIdxThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx, int32_t* count,
+                 CUstream_st* stream) {
+  if (T < 0 || ld < 0 || k < 0 || k > kTopkMax || T > 0x7fffffffLL) return cudaErrorInvalidValue;
+  if (T == 0) return cudaSuccess;
+  topk_kernel<<<static_cast<unsigned>(T), kTopkThreads, 0, stream>>>(scores, ld, n, k, idx, count);
+  return cudaGetLastError();
+}
+
+}  // namespace k3::ops::cuda

@@ -11,6 +11,9 @@
 
 #include <cstdint>
 
+#include "core/bf16.h"
+#include "ops/cuda_context.h"
+
 namespace k3::ops {
 
 // q_idx [Hi, Di]; w [Hi]; keys: n pointers to cached keys [Di]; scores [n].
@@ -21,3 +24,23 @@ void dsa_index_scores(const float* q_idx, const float* w, const float* const* ke
 int64_t topk_indices(const float* scores, int64_t n, int64_t k, int64_t* idx);
 
 }  // namespace k3::ops
+
+// CUDA: a step of B requests x q_len tokens, T = B q_len rows (request b's tokens are rows [b q_len, (b+1) q_len)).
+// Indexer keys: key_pool BF16 [num_pages, page_size, Di]; position p of request b is row p % page_size of page
+// block_tables[b, p / page_size] (int32 [B, max_pages], the same tables as the latent cache).
+namespace k3::ops::cuda {
+
+// q_idx BF16 [T, Hi, Di], w F32 [T, Hi] (scale folded in), ctx_len int32 [T] (candidates: positions
+// [0, ctx_len[t]), each ctx_len <= max_ctx) -> scores F32 [T, max_ctx], columns >= ctx_len[t] set to -inf.
+// Di % 8 == 0, Hi <= 64.
+int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_pool, const int32_t* block_tables,
+                           int max_pages, int page_size, const int32_t* ctx_len, int B, int q_len, int max_ctx, int Hi,
+                           int Di, float* scores, CUstream_st* stream);
+
+// Row t of scores F32 [T, ld] has n[t] candidates (columns [0, n[t]), n[t] <= ld): idx int32 [T, k] receives the
+// min(k, n[t]) columns of the largest scores, by score descending, ties to the lower column, NaN ranked as -inf
+// (the CPU topk_indices); the rest of the row is -1. count int32 [T] = min(k, n[t]). k <= 2048.
+int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx, int32_t* count,
+                 CUstream_st* stream);
+
+}  // namespace k3::ops::cuda

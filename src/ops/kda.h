@@ -11,6 +11,9 @@
 
 #include <cstdint>
 
+#include "core/bf16.h"
+#include "ops/cuda_context.h"
+
 namespace k3::ops {
 
 // u, g [T, H * dk]; A_log [H] (the first H stored values); dt_bias [H * dk].
@@ -33,3 +36,37 @@ void kda_gated_norm(const float* o, const float* gate, const float* o_norm_w, fl
                     int dv);
 
 }  // namespace k3::ops
+
+// CUDA: a step of B requests x q_len tokens (request b's tokens are rows [b q_len, (b+1) q_len), rows = B q_len).
+// Recurrent states live in pools indexed by slot; a step reads the committed state of slots[b], never writes it,
+// and stores the state after each token t in history row t of the slot; commit_state copies the accepted row.
+namespace k3::ops::cuda {
+
+// u BF16 [rows, H*dk], A_log F32 [>= H], dt_bias F32 [H*dk] -> g F32 [rows, H*dk].
+int kda_gate(const bf16* u, const float* A_log, const float* dt_bias, float lower_bound, float* g, int64_t rows, int H,
+             int dk, CUstream_st* stream);
+
+// b BF16 [rows, b_ld] (columns [0, H) used) -> beta F32 [rows, H].
+int kda_beta(const bf16* b, int64_t b_ld, float* beta, int64_t rows, int H, CUstream_st* stream);
+
+// x BF16 [rows, H*d] -> out F32 [rows, H*d] = x_h / sqrt(|x_h|^2 + 1e-6) * scale per head.
+int l2norm_heads(const bf16* x, float* out, int64_t rows, int H, int d, float scale, CUstream_st* stream);
+
+// q, k, g F32 [B*q_len, H*dk]; v BF16 [B*q_len, H*dv]; beta F32 [B*q_len, H]; state_pool F32 [num_slots, H, dv, dk]
+// (read only); hist_pool F32 [num_slots, max_q, H, dv, dk] (state after each token); slots [B]; o F32 [B*q_len, H*dv].
+// dk % 4 == 0, dk <= 256, q_len <= max_q.
+int kda_recurrence(const float* q, const float* k, const bf16* v, const float* g, const float* beta,
+                   const float* state_pool, float* hist_pool, const int32_t* slots, float* o, int B, int q_len,
+                   int max_q, int H, int dk, int dv, CUstream_st* stream);
+
+// o F32 [rows, H*dv], gate BF16 [rows, gate_ld] (columns [0, H*dv) used), o_norm_w F32 [dv] -> out BF16 [rows, H*dv].
+int kda_gated_norm(const float* o, const bf16* gate, int64_t gate_ld, const float* o_norm_w, float eps, bf16* out,
+                   int64_t rows, int H, int dv, CUstream_st* stream);
+
+// Commit (conv or recurrent states): for each b with n = accepted[b] in [1, max_q], pool[slots[b]] =
+// hist_pool[slots[b], n-1]; n = 0 (or out of range) keeps the committed state. hist_pool F32
+// [num_slots, max_q, floats_per_state], pool F32 [num_slots, floats_per_state], slots / accepted [B].
+int commit_state(const float* hist_pool, float* pool, const int32_t* slots, const int32_t* accepted, int B, int max_q,
+                 int64_t floats_per_state, CUstream_st* stream);
+
+}  // namespace k3::ops::cuda

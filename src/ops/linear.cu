@@ -1,1 +1,210 @@
-// CUDA kernels: in progress
+// CUDA linear: y[r, o] = sum_i x[r, i] * W[o, i], BF16 inputs, FP32 accumulation, y BF16 or FP32.
+//
+// Decode (rows <= kLinearKernelMaxRows): linear_rows_kernel. A CTA of 128 threads owns 4 output
+// features and a tile of RT rows (RT = 1, 2, 4 or 8 by the row count). Its threads split the input
+// dimension in 16-byte chunks (8 bf16; element-wise when in % 8 != 0 or a pointer is unaligned), load
+// each of the 4 weight rows' chunk once and apply it to the RT activation rows (read through the
+// read-only cache: x is small and shared by every CTA), accumulate in FP32, then reduce with warp
+// shuffles and one shared-memory step. The row tile is the fastest grid index, so the CTAs that read
+// the same weight rows run together and W comes from HBM about once.
+//
+// More rows: cuBLASLt in column-major terms, y^T [out, rows] = (W^T [in, out])^T x^T [in, rows],
+// BF16 A/B, FP32 compute and scale, BF16 or FP32 C = D, split-K reductions (if any) in FP32.
+#include <cublasLt.h>
+
+#include <algorithm>
+
+#include "ops/cuda_bf16.cuh"
+#include "ops/linear.h"
+
+namespace k3::ops::cuda {
+namespace {
+
+using detail::aligned16;
+using detail::kWarp;
+
+constexpr int kLinThreads = 128;
+constexpr int kLinOut = 4;  // output features per CTA
+
+// VEC consecutive read-only bf16 -> floats (VEC = 8: one 16-byte load, needs 16-byte alignment).
+template <int VEC>
+__device__ __forceinline__ void load_ro(const bf16* p, float (&f)[VEC]) {
+  if constexpr (VEC == 8) {
+    detail::unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p)), f);
+  } else {
+    f[0] = detail::bf16_to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
+  }
+}
+
+template <int RT, int VEC>
+__global__ void __launch_bounds__(kLinThreads)
+    linear_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, bool y_f32,
+                       int64_t rows, int64_t in, int64_t out, int64_t row_tiles) {
+  __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
+  const int64_t rt = blockIdx.x % row_tiles, ot = blockIdx.x / row_tiles;
+  const int64_t r0 = rt * RT, o0 = ot * kLinOut;
+  const int nr = static_cast<int>(min(static_cast<int64_t>(RT), rows - r0));
+  const int no = static_cast<int>(min(static_cast<int64_t>(kLinOut), out - o0));
+
+  // Features past `out` read the last valid row (their results are not written).
+  const bf16* wrow[kLinOut];
+#pragma unroll
+  for (int o = 0; o < kLinOut; ++o) wrow[o] = w + (o0 + min(o, no - 1)) * in;
+
+  float acc[kLinOut][RT];
+#pragma unroll
+  for (int o = 0; o < kLinOut; ++o) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) acc[o][r] = 0.f;
+  }
+
+  const int64_t chunks = in / VEC;
+#pragma unroll 2
+  for (int64_t c = threadIdx.x; c < chunks; c += kLinThreads) {
+    float wv[kLinOut][VEC];
+#pragma unroll
+    for (int o = 0; o < kLinOut; ++o) load_ro<VEC>(wrow[o] + c * VEC, wv[o]);
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      if (r < nr) {
+        float xv[VEC];
+        load_ro<VEC>(x + (r0 + r) * in + c * VEC, xv);
+#pragma unroll
+        for (int o = 0; o < kLinOut; ++o) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[o][r] = fmaf(xv[i], wv[o][i], acc[o][r]);
+        }
+      }
+    }
+  }
+
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+#pragma unroll
+  for (int o = 0; o < kLinOut; ++o) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const float v = detail::warp_sum(acc[o][r]);
+      if (lane == 0) red[warp][o * RT + r] = v;
+    }
+  }
+  __syncthreads();
+  const int t = threadIdx.x;
+  if (t < kLinOut * RT) {
+    const int o = t / RT, r = t % RT;
+    if (o < no && r < nr) {
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < kLinThreads / kWarp; ++i) s += red[i][t];
+      const int64_t at = (r0 + r) * out + o0 + o;
+      if (y_f32) {
+        static_cast<float*>(y)[at] = s;
+      } else {
+        static_cast<bf16*>(y)[at] = detail::float_to_bf16(s);
+      }
+    }
+  }
+}
+
+template <int RT, int VEC>
+int launch_rows(const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in, int64_t out,
+                cudaStream_t s) {
+  const int64_t row_tiles = (rows + RT - 1) / RT;
+  const int64_t blocks = row_tiles * ((out + kLinOut - 1) / kLinOut);
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  linear_rows_kernel<RT, VEC>
+      <<<static_cast<unsigned>(blocks), kLinThreads, 0, s>>>(x, w, y, y_f32, rows, in, out, row_tiles);
+  return cudaGetLastError();
+}
+
+// The one place the row count and the vector width become compile-time.
+template <int VEC>
+int dispatch_rows(const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in, int64_t out,
+                  cudaStream_t s) {
+  if (rows <= 1) return launch_rows<1, VEC>(x, w, y, y_f32, rows, in, out, s);
+  if (rows <= 2) return launch_rows<2, VEC>(x, w, y, y_f32, rows, in, out, s);
+  if (rows <= 4) return launch_rows<4, VEC>(x, w, y, y_f32, rows, in, out, s);
+  return launch_rows<8, VEC>(x, w, y, y_f32, rows, in, out, s);
+}
+
+int linear_kernel(const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in, int64_t out,
+                  cudaStream_t s) {
+  const bool vec = in % 8 == 0 && aligned16(x) && aligned16(w);
+  return vec ? dispatch_rows<8>(x, w, y, y_f32, rows, in, out, s) : dispatch_rows<1>(x, w, y, y_f32, rows, in, out, s);
+}
+
+// Largest power of two (<= 256) dividing the address: cuBLASLt's alignment preference.
+uint32_t alignment_of(const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  uint32_t al = 256;
+  while (al > 1 && (a % al) != 0) al /= 2;
+  return al;
+}
+
+struct LtDescs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulPreference_t pref = nullptr;
+  ~LtDescs() {
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+// True when cuBLASLt enqueued the product; false when it has no algorithm (or failed before enqueueing).
+bool linear_cublaslt(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
+                     int64_t in, int64_t out) {
+  if (ctx.lt == nullptr) return false;
+  auto lt = reinterpret_cast<cublasLtHandle_t>(ctx.lt);
+  const auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
+  LtDescs d;
+  if (!ok(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F))) return false;
+  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  if (!ok(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)))) return false;
+  if (!ok(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)))) return false;
+  // Column-major views: A = W^T stored [in, out] (ld in), B = x^T [in, rows] (ld in), C = D = y^T [out, rows].
+  if (!ok(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, in, out, in))) return false;
+  if (!ok(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, in, rows, in))) return false;
+  if (!ok(cublasLtMatrixLayoutCreate(&d.c, y_f32 ? CUDA_R_32F : CUDA_R_16BF, out, rows, out))) return false;
+  if (!ok(cublasLtMatmulPreferenceCreate(&d.pref))) return false;
+  const uint64_t ws = ctx.workspace ? ctx.workspace_bytes : 0;
+  if (!ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws))))
+    return false;
+  // Split-K partial sums only in FP32 (never in place in a BF16 output).
+  const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+  if (!ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
+                                               sizeof(reduction))))
+    return false;
+  const uint32_t al_a = alignment_of(w), al_b = alignment_of(x), al_c = alignment_of(y);
+  if (!ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a,
+                                               sizeof(al_a))) ||
+      !ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b,
+                                               sizeof(al_b))) ||
+      !ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c,
+                                               sizeof(al_c))) ||
+      !ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c,
+                                               sizeof(al_c))))
+    return false;
+  cublasLtMatmulHeuristicResult_t heur{};
+  int found = 0;
+  if (!ok(cublasLtMatmulAlgoGetHeuristic(lt, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &heur, &found)) || found < 1)
+    return false;
+  const float alpha = 1.f, beta = 0.f;
+  return ok(cublasLtMatmul(lt, d.op, &alpha, w, d.a, x, d.b, &beta, y, d.c, y, d.c, &heur.algo, ctx.workspace, ws,
+                           reinterpret_cast<cudaStream_t>(ctx.stream)));
+}
+
+}  // namespace
+
+int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
+           int64_t out) {
+  if (rows < 0 || in <= 0 || out <= 0) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  if (x == nullptr || w == nullptr || y == nullptr) return cudaErrorInvalidValue;
+  if (rows > kLinearKernelMaxRows && linear_cublaslt(ctx, x, w, y, y_f32, rows, in, out)) return cudaGetLastError();
+  return linear_kernel(x, w, y, y_f32, rows, in, out, reinterpret_cast<cudaStream_t>(ctx.stream));
+}
+
+}  // namespace k3::ops::cuda

@@ -16,7 +16,10 @@
 
 #include <cstdint>
 
+#include <cstddef>
+
 #include "core/bf16.h"
+#include "ops/cuda_context.h"
 
 namespace k3::ops {
 
@@ -35,3 +38,45 @@ void lse_merge(const float* o_parts, const float* lse_parts, int D, int H, int R
 void mla_unabsorb(const float* o_lat, const bf16* w_kvb, float* o, int64_t T, int H, int dn, int dv, int R);
 
 }  // namespace k3::ops
+
+// CUDA: a step of B requests x q_len tokens, T = B q_len rows (request b's tokens are rows [b q_len, (b+1) q_len)).
+// Latent cache: kv_pool BF16 [num_pages, page_size, R+P]; position p of request b is row p % page_size of page
+// block_tables[b, p / page_size] (block_tables int32 [B, max_pages]). Attention scores are
+// scale * (q_lat . entry) over the full R+P entry; o_lat is FP32 and not rounded (DCP merges first).
+// Flash-decoding: the context is split into chunks across CTAs (partials in scratch), merged like lse_merge.
+namespace k3::ops::cuda {
+
+// q BF16 [T, H, dn+P], w_kvb BF16 [H*(dn+dv), R] -> q_lat BF16 [T, H, R+P].
+int mla_absorb_q(const bf16* q, const bf16* w_kvb, bf16* q_lat, int64_t T, int H, int dn, int P, int dv, int R,
+                 CUstream_st* stream);
+
+// Scratch bytes mla_attend_paged needs for B x q_len tokens whose context lengths are all <= max_ctx (0: none).
+size_t mla_attend_paged_scratch_bytes(int B, int q_len, int H, int R, int max_ctx);
+
+// q_lat BF16 [B*q_len, H, R+P], kv_pool as above, ctx_len int32 [B*q_len] (positions visible: pos + 1, each in
+// [0, max_ctx]) -> o_lat F32 [B*q_len, H, R], lse F32 [B*q_len, H] (no entries: zeros and -inf).
+// (R+P) % 8 == 0, R <= 512; scratch of mla_attend_paged_scratch_bytes(B, q_len, H, R, max_ctx) bytes.
+int mla_attend_paged(const bf16* q_lat, const bf16* kv_pool, const int32_t* block_tables, int max_pages, int page_size,
+                     const int32_t* ctx_len, int B, int q_len, int max_ctx, int H, int R, int P, float scale,
+                     float* o_lat, float* lse, void* scratch, size_t scratch_bytes, CUstream_st* stream);
+
+// Scratch bytes mla_attend_indexed needs for T tokens of at most max_sel selected entries each (0: none).
+size_t mla_attend_indexed_scratch_bytes(int64_t T, int H, int R, int max_sel);
+
+// DSA: token t attends the entries at positions sel[t, 0 .. sel_count[t]) (int32 [T, max_sel], counts [T] in
+// [0, max_sel]) of its request (t / q_len), in any order; otherwise as mla_attend_paged.
+int mla_attend_indexed(const bf16* q_lat, const bf16* kv_pool, const int32_t* block_tables, int max_pages,
+                       int page_size, const int32_t* sel, const int32_t* sel_count, int max_sel, int B, int q_len,
+                       int H, int R, int P, float scale, float* o_lat, float* lse, void* scratch,
+                       size_t scratch_bytes, CUstream_st* stream);
+
+// o_parts F32 [D, T, H, R], lse_parts F32 [D, T, H] -> o F32 [T, H, R], lse F32 [T, H] (parts with lse = -inf are
+// ignored; none left: zeros and -inf).
+int lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, int H, int R, float* o, float* lse,
+              CUstream_st* stream);
+
+// o_lat BF16 [T, H, R], w_kvb as above -> o BF16 [T, H, dv].
+int mla_unabsorb(const bf16* o_lat, const bf16* w_kvb, bf16* o, int64_t T, int H, int dn, int dv, int R,
+                 CUstream_st* stream);
+
+}  // namespace k3::ops::cuda

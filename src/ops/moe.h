@@ -10,9 +10,11 @@
 //                   h = situ_glu(W_gate x, W_up x);  out = W_down h
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "core/bf16.h"
+#include "ops/cuda_context.h"
 
 namespace k3::ops {
 
@@ -42,3 +44,54 @@ void mlp(const float* x, const bf16* w_gate, const bf16* w_up, const bf16* w_dow
          int64_t I, SituParams p, float* scratch);
 
 }  // namespace k3::ops
+
+namespace k3::ops::cuda {
+
+// a, b, out [n] BF16 (out may alias a or b): out = situ_glu(a, b), FP32 math, BF16 out.
+int situ_glu(const bf16* a, const bf16* b, bf16* out, int64_t n, SituParams p, CUstream_st* stream);
+
+// x [rows, K] BF16 (16-byte aligned), packed [N, K/2] U8, scale [N, K/32] U8 -> y [rows, N] BF16; K % 32 == 0.
+// W4A16: weights dequantized exactly in registers, FP32 accumulation (packed: any alignment, 8 bytes is fastest).
+int mxfp4_linear(const bf16* x, const uint8_t* packed, const uint8_t* scale, bf16* y, int64_t rows, int64_t K,
+                 int64_t N, CUstream_st* stream);
+
+// One routed expert, as the CPU expert_mlp: z [rows, D] BF16 -> out [rows, D] BF16; w1, w3 [I, D], w2 [D, I]
+// MXFP4 (device pointers); scratch BF16 [2 * rows * I] (16-byte aligned).
+int expert_mlp(const bf16* z, Mxfp4Matrix w1, Mxfp4Matrix w3, Mxfp4Matrix w2, bf16* out, int64_t rows, int64_t D,
+               int64_t I, SituParams p, bf16* scratch, CUstream_st* stream);
+
+// BF16 MLP, as the CPU mlp: x [rows, D]; w_gate, w_up [I, D]; w_down [D, I]; out [rows, D] BF16;
+// scratch BF16 [2 * rows * I].
+int mlp(const Context& ctx, const bf16* x, const bf16* w_gate, const bf16* w_up, const bf16* w_down, bf16* out,
+        int64_t rows, int64_t D, int64_t I, SituParams p, bf16* scratch);
+
+// The routed experts of this rank: device arrays (one entry per local expert e = global id - expert_begin)
+// of device pointers to each expert's MXFP4 tensors.
+struct Mxfp4ExpertTable {
+  const uint8_t* const* w1_packed = nullptr;  // [expert_count] -> [I, L/2] (gate)
+  const uint8_t* const* w1_scale = nullptr;   // [expert_count] -> [I, L/32]
+  const uint8_t* const* w3_packed = nullptr;  // [expert_count] -> [I, L/2] (up)
+  const uint8_t* const* w3_scale = nullptr;   // [expert_count] -> [I, L/32]
+  const uint8_t* const* w2_packed = nullptr;  // [expert_count] -> [L, I/2] (down)
+  const uint8_t* const* w2_scale = nullptr;   // [expert_count] -> [L, I/32]
+};
+
+// Scratch of moe_experts in bytes: a routing plan (int32 [1 + 4 rows k]), h BF16 [rows k, I] and the expert
+// outputs BF16 [rows k, L], each 256-byte aligned.
+inline size_t moe_experts_scratch_bytes(int64_t rows, int k, int64_t L, int64_t I) {
+  const auto al = [](int64_t b) { return static_cast<size_t>((b + 255) / 256 * 256); };
+  const int64_t pairs = rows * k;
+  return al(4 * (1 + 4 * pairs)) + al(2 * pairs * I) + al(2 * pairs * L);
+}
+
+// Routed experts of one rank: z [rows, L] BF16 (16-byte aligned), idx [rows, k] global expert ids, w [rows, k]
+// FP32 -> y [rows, L] BF16, y[r] = bf16(sum over j in 0..k-1 with idx[r, j] in [expert_begin, expert_begin +
+// expert_count) of w[r, j] * expert_{idx[r, j]}(z[r])), summed in j order in FP32 (the CPU moe_ffn's combine);
+// every expert output is the CPU expert_mlp's (BF16). Rows with no local expert get 0. L, I multiples of 32;
+// expert_count <= kMoeMaxLocalExperts; scratch: moe_experts_scratch_bytes(rows, k, L, I), 16-byte aligned.
+constexpr int kMoeMaxLocalExperts = 6144;
+int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const float* w, const Mxfp4ExpertTable& experts,
+                int expert_begin, int expert_count, bf16* y, void* scratch, int64_t rows, int k, int64_t L, int64_t I,
+                SituParams p);
+
+}  // namespace k3::ops::cuda

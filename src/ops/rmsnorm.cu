@@ -1,1 +1,146 @@
-// CUDA kernels: in progress
+// CUDA RMSNorm and LayerNorm (math in rmsnorm.h). One CTA per row; each thread owns the same
+// chunks of the row (8 bf16 = one 16-byte vector when dim % 8 == 0 and the pointers are aligned,
+// else single elements) in every pass, so out may alias x. Sums are FP32 block reductions; the
+// roundings are the CPU's: bf16(x * inv) before the weight, bf16 of the result.
+#include <algorithm>
+
+#include "ops/cuda_bf16.cuh"
+#include "ops/rmsnorm.h"
+
+namespace k3::ops::cuda {
+namespace {
+
+using detail::aligned16;
+using detail::kWarp;
+
+constexpr int kNormMaxThreads = 256;
+
+__device__ __forceinline__ float round_bf16_dev(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+template <int VEC>
+__device__ __forceinline__ void load_weight(const bf16* w, float (&f)[VEC]) {
+  detail::load_bf16<VEC>(w, f);
+}
+template <int VEC>
+__device__ __forceinline__ void load_weight(const float* w, float (&f)[VEC]) {
+  if constexpr (VEC == 8) {
+    const float4 a = *reinterpret_cast<const float4*>(w), b = *reinterpret_cast<const float4*>(w + 4);
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+  } else {
+    f[0] = *w;
+  }
+}
+
+template <typename W, int VEC>
+__global__ void __launch_bounds__(kNormMaxThreads)
+    rmsnorm_kernel(const bf16* x, const W* __restrict__ w, bf16* out, int64_t dim, float eps) {
+  __shared__ float red[kWarp];
+  const bf16* xr = x + blockIdx.x * dim;
+  bf16* yr = out + blockIdx.x * dim;
+  const int64_t chunks = dim / VEC;
+  float ss = 0.f;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float v[VEC];
+    detail::load_bf16<VEC>(xr + c * VEC, v);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) ss = fmaf(v[i], v[i], ss);
+  }
+  ss = detail::block_sum(ss, red);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float v[VEC], wv[VEC];
+    detail::load_bf16<VEC>(xr + c * VEC, v);
+    load_weight<VEC>(w + c * VEC, wv);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = wv[i] * round_bf16_dev(v[i] * inv);
+    detail::store_bf16<VEC>(yr + c * VEC, v);
+  }
+}
+
+template <int VEC>
+__global__ void __launch_bounds__(kNormMaxThreads)
+    layernorm_kernel(const bf16* x, const bf16* __restrict__ w, const bf16* __restrict__ b, bf16* out, int64_t dim,
+                     float eps) {
+  __shared__ float red[kWarp];
+  const bf16* xr = x + blockIdx.x * dim;
+  bf16* yr = out + blockIdx.x * dim;
+  const int64_t chunks = dim / VEC;
+  float sum = 0.f;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float v[VEC];
+    detail::load_bf16<VEC>(xr + c * VEC, v);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sum += v[i];
+  }
+  const float mu = detail::block_sum(sum, red) / static_cast<float>(dim);
+  float sq = 0.f;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float v[VEC];
+    detail::load_bf16<VEC>(xr + c * VEC, v);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float d = v[i] - mu;
+      sq = fmaf(d, d, sq);
+    }
+  }
+  sq = detail::block_sum(sq, red);
+  const float inv = 1.0f / sqrtf(sq / static_cast<float>(dim) + eps);
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float v[VEC], wv[VEC], bv[VEC];
+    detail::load_bf16<VEC>(xr + c * VEC, v);
+    detail::load_bf16<VEC>(w + c * VEC, wv);
+    detail::load_bf16<VEC>(b + c * VEC, bv);
+    // Unfused, as the CPU: w * ((x - mu) * inv) + b.
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] = __fadd_rn(__fmul_rn(wv[i], __fmul_rn(__fsub_rn(v[i], mu), inv)), bv[i]);
+    detail::store_bf16<VEC>(yr + c * VEC, v);
+  }
+}
+
+// Threads per row: enough warps for the row's chunks, at most kNormMaxThreads.
+unsigned norm_threads(int64_t chunks) {
+  const int64_t t = std::min<int64_t>(kNormMaxThreads, (chunks + kWarp - 1) / kWarp * kWarp);
+  return static_cast<unsigned>(std::max<int64_t>(t, kWarp));
+}
+
+bool bad_shape(int64_t rows, int64_t dim) { return rows < 0 || dim <= 0 || rows > 0x7fffffff; }
+
+template <typename W>
+int rmsnorm_launch(const bf16* x, const W* w, bf16* out, int64_t rows, int64_t dim, float eps, cudaStream_t s) {
+  if (bad_shape(rows, dim)) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const bool vec = dim % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(out);
+  const auto grid = static_cast<unsigned>(rows);
+  if (vec) {
+    rmsnorm_kernel<W, 8><<<grid, norm_threads(dim / 8), 0, s>>>(x, w, out, dim, eps);
+  } else {
+    rmsnorm_kernel<W, 1><<<grid, norm_threads(dim), 0, s>>>(x, w, out, dim, eps);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int rmsnorm(const bf16* x, const bf16* w, bf16* out, int64_t rows, int64_t dim, float eps, CUstream_st* stream) {
+  return rmsnorm_launch(x, w, out, rows, dim, eps, stream);
+}
+
+int rmsnorm(const bf16* x, const float* w, bf16* out, int64_t rows, int64_t dim, float eps, CUstream_st* stream) {
+  return rmsnorm_launch(x, w, out, rows, dim, eps, stream);
+}
+
+int layernorm(const bf16* x, const bf16* w, const bf16* b, bf16* out, int64_t rows, int64_t dim, float eps,
+              CUstream_st* stream) {
+  if (bad_shape(rows, dim)) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  const bool vec = dim % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(b) && aligned16(out);
+  const auto grid = static_cast<unsigned>(rows);
+  if (vec) {
+    layernorm_kernel<8><<<grid, norm_threads(dim / 8), 0, stream>>>(x, w, b, out, dim, eps);
+  } else {
+    layernorm_kernel<1><<<grid, norm_threads(dim), 0, stream>>>(x, w, b, out, dim, eps);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace k3::ops::cuda

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/bf16.h"
+#include "ops/cuda_context.h"
 
 namespace k3::ops {
 
@@ -20,3 +21,15 @@ void rmsnorm(const float* x, const float* w, float* out, int64_t rows, int64_t d
 void layernorm(const float* x, const bf16* w, const bf16* b, float* out, int64_t rows, int64_t dim, float eps);
 
 }  // namespace k3::ops
+
+namespace k3::ops::cuda {
+
+// x, out [rows, dim] BF16 (out may alias x), w [dim] BF16: out = bf16(w * bf16(x / sqrt(mean(x^2) + eps))).
+int rmsnorm(const bf16* x, const bf16* w, bf16* out, int64_t rows, int64_t dim, float eps, CUstream_st* stream);
+// The same with w [dim] F32.
+int rmsnorm(const bf16* x, const float* w, bf16* out, int64_t rows, int64_t dim, float eps, CUstream_st* stream);
+// x, out [rows, dim] BF16 (out may alias x), w, b [dim] BF16: out = bf16(w * (x - mu) / sqrt(var + eps) + b).
+int layernorm(const bf16* x, const bf16* w, const bf16* b, bf16* out, int64_t rows, int64_t dim, float eps,
+              CUstream_st* stream);
+
+}  // namespace k3::ops::cuda

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "ops/cuda_context.h"
+
 namespace k3::ops {
 
 // logits [T, E] FP32; bias [E] F32; idx [T, k]; w [T, k].
@@ -13,3 +15,14 @@ void route(const float* logits, const float* bias, int64_t T, int E, int k, bool
            int32_t* idx, float* w);
 
 }  // namespace k3::ops
+
+namespace k3::ops::cuda {
+
+// logits [T, E] FP32, bias [E] F32 or null -> idx [T, k] int32, w [T, k] FP32: the CPU route exactly
+// (selection by biased score desc, ties to the lower index, NaN as -inf; weights in selection order).
+// One warp per row; E <= kRouteMaxExperts.
+constexpr int kRouteMaxExperts = 12288;
+int route(const float* logits, const float* bias, int64_t T, int E, int k, bool renormalize, float scale,
+          int32_t* idx, float* w, CUstream_st* stream);
+
+}  // namespace k3::ops::cuda

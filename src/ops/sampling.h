@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "core/rng.h"
+#include "ops/cuda_context.h"
 
 namespace k3::ops {
 
@@ -16,3 +17,11 @@ int32_t sample_greedy(const float* logits, int64_t vocab);
 int32_t sample_top_p(const float* logits, int64_t vocab, float temperature, float top_p, Rng& rng);
 
 }  // namespace k3::ops
+
+namespace k3::ops::cuda {
+
+// logits [rows, vocab] FP32 -> out [rows] int32: the CPU sample_greedy per row (argmax, ties to the lower id;
+// NaN never wins, and a NaN at id 0 gives 0 as on the CPU). One CTA per row, any vocab.
+int sample_greedy(const float* logits, int64_t rows, int64_t vocab, int32_t* out, CUstream_st* stream);
+
+}  // namespace k3::ops::cuda

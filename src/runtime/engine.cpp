@@ -85,7 +85,7 @@ bool Engine::pending(int slot) const {
   return slots_[slot].pending_q > 0;
 }
 
-std::vector<float> Engine::step(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
+void Engine::validate_step(std::span<const int> slots, int q, std::span<const int32_t> tokens) const {
   const auto& o = caches_.options();
   const int B = static_cast<int>(slots.size());
   K3_CHECK(B >= 1 || layout_.world() > 1, "step: no requests");
@@ -108,6 +108,25 @@ std::vector<float> Engine::step(std::span<const int> slots, int q, std::span<con
   K3_CHECK(new_pages <= caches_.free_pages(), "step: out of KV pages ({} free, {} needed)", caches_.free_pages(),
            new_pages);
 
+}
+
+std::vector<float> Engine::step(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
+  // Every rank validates; on a multi-rank layout the ranks agree (one 4-byte world
+  // all-reduce) so that a rejected input raises on all of them and none is left
+  // waiting in a collective.
+  std::string error;
+  try {
+    validate_step(slots, q, tokens);
+  } catch (const Error& e) {
+    error = e.what();
+  }
+  if (layout_.world() > 1) {
+    float bad = error.empty() ? 0.0f : 1.0f;
+    world_->all_reduce(&bad, 1, DType::F32);
+    if (bad > 0 && error.empty()) error = "step: aborted because another rank rejected its input";
+  }
+  if (!error.empty()) throw Error(error);
+  const int B = static_cast<int>(slots.size());
   StepShape shape;
   shape.B = B;
   shape.q = q;

@@ -72,6 +72,7 @@ class Engine {
   const CountingComm& dcp_comm() const { return *dcp_; }
   const CountingComm& world_comm() const { return *world_; }
   void reset_counts();
+  Comm& world() { return *world_; }
 
  private:
   struct Slot {
@@ -80,6 +81,7 @@ class Engine {
     int pending_q = 0;
   };
   void check_slot(int slot, const char* what) const;
+  void validate_step(std::span<const int> slots, int q, std::span<const int32_t> tokens) const;
 
   std::shared_ptr<const TensorSource> src_;
   ModelConfig config_;

@@ -1,48 +1,138 @@
 #include "runtime/generate.h"
 
+#include <algorithm>
+
 #include "core/rng.h"
 #include "ops/sampling.h"
 
 namespace k3 {
 
-GenerateResult generate(Engine& engine, const std::vector<int32_t>& prompt, int max_new, const SamplingParams& sp,
-                        bool keep_logits) {
-  K3_CHECK(max_new >= 0, "generate: max_new {} must be >= 0", max_new);
-  const int64_t V = engine.config().vocab_size;
-  K3_CHECK(static_cast<int64_t>(prompt.size()) + max_new - 1 <= engine.options().max_context,
-           "generate: prompt of {} tokens + {} new exceeds the cache of {} tokens", prompt.size(), max_new,
-           engine.options().max_context);
-  GenerateResult r;
-  Rng rng(sp.seed);
-  const int slot = engine.admit();
-  try {
-    std::vector<float> logits = engine.prefill(slot, prompt);
-    r.positions = static_cast<int64_t>(prompt.size());
-    if (keep_logits) r.logits = logits;
-    const float* last = logits.data() + (r.positions - 1) * V;
-    std::vector<float> step_logits;
-    for (int i = 0; i < max_new; ++i) {
-      const int32_t tok = sp.greedy ? ops::sample_greedy(last, V) : ops::sample_top_p(last, V, sp.temperature, sp.top_p, rng);
-      r.tokens.push_back(tok);
-      if (sp.stop_at_eos && tok == engine.config().eos_token_id) {
-        r.hit_eos = true;
-        break;
-      }
-      if (i + 1 == max_new) break;
-      const int slots[1] = {slot};
-      const int32_t ids[1] = {tok};
-      step_logits = engine.step(slots, 1, ids);
-      engine.commit(slot, 1);
-      ++r.positions;
-      if (keep_logits) r.logits.insert(r.logits.end(), step_logits.begin(), step_logits.end());
-      last = step_logits.data();
-    }
-  } catch (...) {
-    engine.release(slot);
-    throw;
+namespace {
+
+struct Live {
+  int index = 0;  // request id
+  int slot = -1;
+  size_t fed = 0;  // prompt tokens fed
+  bool done = false;
+  Rng rng{0};
+  GenerateResult result;
+};
+
+}  // namespace
+
+std::vector<GenerateResult> generate(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_new,
+                                     const SamplingParams& sp, bool keep_logits) {
+  const ModelConfig& c = engine.config();
+  const int64_t V = c.vocab_size;
+  const Layout& L = engine.layout();
+  const int replica = L.replica(engine.world_rank());
+  K3_CHECK(max_new >= 1, "generate: max_new {} must be >= 1", max_new);
+  K3_CHECK(!prompts.empty(), "generate: no prompts");
+  // Validate every request up front, identically on every rank.
+  int mine = 0;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    K3_CHECK(!prompts[i].empty(), "generate: prompt {} is empty", i);
+    K3_CHECK(static_cast<int64_t>(prompts[i].size()) + max_new - 1 <= engine.options().max_context,
+             "generate: prompt {} of {} tokens + {} new exceeds the cache of {} tokens", i, prompts[i].size(), max_new,
+             engine.options().max_context);
+    for (int32_t t : prompts[i])
+      K3_CHECK(t >= 0 && t < V, "generate: token id {} in prompt {} outside vocab 0..{}", t, i, V - 1);
+    mine += static_cast<int>(i) % L.dp == replica;
   }
-  engine.release(slot);
-  return r;
+  K3_CHECK(mine <= engine.options().max_slots, "generate: {} requests on one replica exceed its {} slots", mine,
+           engine.options().max_slots);
+
+  std::vector<Live> live;
+  for (size_t i = 0; i < prompts.size(); ++i)
+    if (static_cast<int>(i) % L.dp == replica) {
+      Live r;
+      r.index = static_cast<int>(i);
+      r.slot = engine.admit();
+      r.rng = Rng(sp.seed + i);
+      live.push_back(std::move(r));
+    }
+  auto sample = [&](Live& r, const float* logits) {
+    const int32_t tok =
+        sp.greedy ? ops::sample_greedy(logits, V) : ops::sample_top_p(logits, V, sp.temperature, sp.top_p, r.rng);
+    r.result.tokens.push_back(tok);
+    if ((sp.stop_at_eos && tok == c.eos_token_id) || static_cast<int>(r.result.tokens.size()) == max_new) {
+      r.result.hit_eos = sp.stop_at_eos && tok == c.eos_token_id;
+      r.done = true;
+    }
+  };
+  auto keep = [&](Live& r, const std::vector<float>& logits, int64_t row0, int64_t n) {
+    r.result.positions += n;
+    if (keep_logits && r.index == 0)
+      r.result.logits.insert(r.result.logits.end(), logits.begin() + row0 * V, logits.begin() + (row0 + n) * V);
+  };
+  const int max_q = engine.options().max_q;
+  for (;;) {
+    auto feeding = std::find_if(live.begin(), live.end(), [](const Live& r) { return !r.done && r.fed < 1; });
+    feeding = std::find_if(live.begin(), live.end(),
+                           [&](const Live& r) { return r.fed < prompts[r.index].size(); });
+    std::vector<int> slots;
+    std::vector<int32_t> tokens;
+    int q = 1;
+    if (feeding != live.end()) {
+      const auto& p = prompts[feeding->index];
+      q = static_cast<int>(std::min<size_t>(static_cast<size_t>(max_q), p.size() - feeding->fed));
+      slots.push_back(feeding->slot);
+      tokens.assign(p.begin() + static_cast<int64_t>(feeding->fed), p.begin() + static_cast<int64_t>(feeding->fed) + q);
+    } else {
+      for (const Live& r : live)
+        if (!r.done) {
+          slots.push_back(r.slot);
+          tokens.push_back(r.result.tokens.back());
+        }
+    }
+    float active = slots.empty() ? 0.0f : 1.0f;
+    if (L.world() > 1) engine.world().all_reduce(&active, 1, DType::F32);
+    if (active == 0) break;
+    if (slots.empty() && L.world() == 1) break;
+    std::vector<float> logits = engine.step(slots, q, tokens);
+    for (int s : slots) engine.commit(s, q);
+    if (feeding != live.end()) {
+      Live& r = *feeding;
+      r.fed += static_cast<size_t>(q);
+      keep(r, logits, 0, q);
+      if (r.fed == prompts[r.index].size()) sample(r, logits.data() + static_cast<int64_t>(q - 1) * V);
+    } else {
+      int64_t row = 0;
+      for (Live& r : live)
+        if (!r.done) {
+          keep(r, logits, row, 1);
+          sample(r, logits.data() + row * V);
+          ++row;
+        }
+    }
+  }
+  for (Live& r : live) engine.release(r.slot);
+
+  // Assemble every request's tokens on every rank: a world sum where the first
+  // rank of each replica contributes its requests' ids + 1.
+  const int64_t n = static_cast<int64_t>(prompts.size());
+  std::vector<float> table(static_cast<size_t>(n * (max_new + 1)), 0.0f);  // per request: eos flag, tokens
+  if (L.tp_rank(engine.world_rank()) == 0)
+    for (const Live& r : live) {
+      table[r.index * (max_new + 1)] = r.result.hit_eos ? 1.0f : 0.0f;
+      for (size_t j = 0; j < r.result.tokens.size(); ++j)
+        table[r.index * (max_new + 1) + 1 + j] = static_cast<float>(r.result.tokens[j] + 1);
+    }
+  if (L.world() > 1) engine.world().all_reduce(table.data(), static_cast<int64_t>(table.size()), DType::F32);
+  std::vector<GenerateResult> out(prompts.size());
+  for (int64_t i = 0; i < n; ++i) {
+    out[i].hit_eos = table[i * (max_new + 1)] > 0;
+    for (int j = 0; j < max_new; ++j) {
+      const float v = table[i * (max_new + 1) + 1 + j];
+      if (v > 0) out[i].tokens.push_back(static_cast<int32_t>(v) - 1);
+    }
+  }
+  for (Live& r : live)
+    if (r.index == 0) {
+      out[0].logits = std::move(r.result.logits);
+      out[0].positions = r.result.positions;
+    }
+  return out;
 }
 
 }  // namespace k3
