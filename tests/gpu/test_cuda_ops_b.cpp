@@ -554,8 +554,8 @@ TEST_P(MlaAttendPagedCuda, MatchesCpuOverShuffledPages) {
   const auto o_got = down_f32(d_o, o_ref.size());
   const auto lse_got = down_f32(d_lse, lse_ref.size());
   expect_no_nan(o_got, "o_lat");
-  expect_close(o_got, o_ref, 5e-4, 1e-6, "mla_attend_paged o_lat");
-  expect_close(lse_got, lse_ref, 0, 1e-4, "mla_attend_paged lse");
+  expect_close(o_got, o_ref, 1e-3, 1e-6, "mla_attend_paged o_lat");
+  expect_close(lse_got, lse_ref, 0, 5e-4, "mla_attend_paged lse");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -620,12 +620,12 @@ TEST_P(MlaAttendIndexedCuda, MatchesCpuOverSelectedEntries) {
   const auto o_got = down_f32(d_o, o_ref.size());
   const auto lse_got = down_f32(d_lse, lse_ref.size());
   expect_no_nan(o_got, "o_lat");
-  expect_close(o_got, o_ref, 5e-4, 1e-6, "mla_attend_indexed o_lat");
+  expect_close(o_got, o_ref, 1e-3, 1e-6, "mla_attend_indexed o_lat");
   for (size_t i = 0; i < lse_ref.size(); ++i) {
     if (std::isinf(lse_ref[i]))
       EXPECT_EQ(lse_got[i], lse_ref[i]) << "lse at " << i;
     else
-      EXPECT_NEAR(lse_got[i], lse_ref[i], 1e-4) << "lse at " << i;
+      EXPECT_NEAR(lse_got[i], lse_ref[i], 5e-4) << "lse at " << i;
   }
 }
 
@@ -693,7 +693,7 @@ TEST_P(DsaIndexerCuda, ScoresAndTopkMatchCpu) {
     if (c.integers)
       expect_exact(got, ref, "indexer scores (exact integers)");
     else
-      expect_close(got, ref, 1e-5, 1e-7, "indexer scores");
+      expect_close(got, ref, 1e-4, 1e-7, "indexer scores");
     for (int64_t col = n; col < max_ctx; ++col)
       ASSERT_EQ(scores[static_cast<size_t>(t * max_ctx + col)], -INFINITY) << "tail of row " << t << " at " << col;
 
