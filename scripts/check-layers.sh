@@ -3,7 +3,7 @@
 # Fails when a file includes a header from a layer above its own.
 set -euo pipefail
 cd "$(dirname "$0")/../src"
-layers=(core config io ops comm model runtime cli)
+layers=(core config io ops comm model runtime bench cli)
 bad=0
 for i in "${!layers[@]}"; do
   for j in "${!layers[@]}"; do

@@ -322,11 +322,14 @@ class RefModel {
         for (int j = 0; j < d; ++j) {
           const double g = c_.kda.gate_lower_bound * sigmoid(std::exp(A_log[h]) * (u[h * d + j] + dt_bias[h * d + j]));
           alpha[j] = std::exp(g);
+          stats.alpha_sum += alpha[j];
+          ++stats.alpha_n;
         }
         const double* q = &qkv[0][t][h * d];
         const double* k = &qkv[1][t][h * d];
         const double* v = &qkv[2][t][h * d];
         Vec& s = S[h];
+        if (perturb.kda_no_memory) std::fill(s.begin(), s.end(), 0.0);
         delta_rule_step(s, k, v, beta, alpha, d);  // then o = S q
         Vec oh(static_cast<size_t>(d));
         for (int i = 0; i < d; ++i) {
@@ -380,13 +383,14 @@ class RefModel {
         wi.push_back(std::move(ww));
       }
     }
-    const double scale = 1.0 / std::sqrt(static_cast<double>(dn + P));
+    const double scale = perturb.mla_temperature / std::sqrt(static_cast<double>(dn + P));
     Rows out;
     for (int64_t t = 0; t < T; ++t) {
       // Candidates: positions <= t (causal); DSA keeps the top min(topk, t + 1) indexer scores.
       std::vector<int64_t> sel(static_cast<size_t>(t + 1));
       std::iota(sel.begin(), sel.end(), 0);
-      if (dsa) {
+      if (perturb.mla_self_only) sel = {t};
+      if (dsa && !perturb.mla_self_only) {
         // score(t, s) = sum_h w_h(t) relu(q_idx_h(t) . k_idx(s)). (bf16_inputs: debug only, the
         // indexer's q / k rounded to BF16 as a BF16 engine stores them, to measure the selection's sensitivity.)
         auto select = [&](bool bf16_inputs) {
@@ -428,6 +432,11 @@ class RefModel {
         for (double& e : s) z += (e = std::exp(e - mx));
         for (size_t j = 0; j < sel.size(); ++j)
           for (int i = 0; i < dv; ++i) o[h * dv + i] += s[j] / z * v[sel[j]][h * dv + i];
+        if (sel.size() > 1) {
+          stats.max_weight_sum += 1.0 / z;  // the largest weight: exp(0) / z
+          stats.flat_sum += 1.0 / static_cast<double>(sel.size());
+          ++stats.rows;
+        }
       }
       const Vec gate = matvec(w(p + "g_proj.weight"), int64_t{H} * dv, D, x[t]);
       for (size_t i = 0; i < o.size(); ++i) o[i] *= sigmoid(gate[i]);
@@ -507,7 +516,22 @@ class RefModel {
   // [row] the selected positions.
   std::map<int, std::vector<double>>* route_margin = nullptr;
   std::map<int, std::vector<int>>* route_flip = nullptr;  // 1: the choice changes with a BF16-rounded input
-  std::set<std::pair<int, int>> swap_kth;  // debug: (layer, row) whose k-th expert is swapped for the (k+1)-th
+  std::set<std::pair<int, int>> swap_kth;
+  // Perturbations of the model (to measure what the logits are sensitive to): a softmax temperature factor
+  // on the MLA scores; KDA without memory (state reset before every token); MLA attending to itself only.
+  struct {
+    double mla_temperature = 1.0;
+    bool kda_no_memory = false;
+    bool mla_self_only = false;
+  } perturb;
+  // Statistics of the last forwards: KDA decay alpha (mean), MLA attention weights (mean of each row's largest
+  // weight, against 1 / candidates for a flat softmax).
+  struct {
+    double alpha_sum = 0;
+    int64_t alpha_n = 0;
+    double max_weight_sum = 0, flat_sum = 0;
+    int64_t rows = 0;
+  } stats;  // debug: (layer, row) whose k-th expert is swapped for the (k+1)-th
   std::map<int, std::vector<double>>* dsa_margin = nullptr;
   std::map<int, int>* dsa_flips = nullptr;  // queries whose top-k set changes when q_idx / k_idx are BF16-rounded
   std::map<int, std::vector<std::vector<int64_t>>>* selections = nullptr;
@@ -704,6 +728,47 @@ void engine_vs_float64(const std::string& variant) {
 
 TEST(ReferenceForward, TinyK3EngineMatchesFloat64) { engine_vs_float64("k3"); }
 TEST(ReferenceForward, TinyK31EngineMatchesFloat64) { engine_vs_float64("k3.1"); }
+
+// How sensitive are the tiny model's logits to the parts a comparison should see? Each perturbation of the
+// float64 forward against the unperturbed one, as |diff| / spread per position. A perturbation far below the
+// engine's own BF16 noise (median ~0.25% of the spread) is invisible to EngineMatchesFloat64.
+TEST(ReferenceForward, TinyPresetSensitivity) {
+  for (const char* variant : {"k3", "k3.1"}) {
+    const k3::ModelConfig c = k3::preset_config("tiny", variant);
+    std::shared_ptr<const k3::TensorSource> src = k3::make_synthetic(c, 0);
+    const auto tokens = random_tokens(77, 32, c.vocab_size);
+    RefModel base(c, *src);
+    const Rows want = base.forward(tokens);
+    std::printf("[ sensitivity ] tiny %s: KDA decay alpha = exp(g) averages %.3f per token; MLA's largest attention "
+                "weight averages %.3f (a flat softmax: %.3f)\n",
+                variant, base.stats.alpha_sum / base.stats.alpha_n, base.stats.max_weight_sum / base.stats.rows,
+                base.stats.flat_sum / base.stats.rows);
+    auto as_float = [&](const Rows& r) {
+      std::vector<float> f;
+      for (const Vec& v : r)
+        for (double e : v) f.push_back(static_cast<float>(e));
+      return f;
+    };
+    struct P {
+      const char* name;
+      std::function<void(RefModel&)> set;
+    };
+    const std::vector<P> ps = {
+        {"MLA softmax temperature x1.22 (scale (dn)^-0.5 instead of (dn+P)^-0.5)",
+         [](RefModel& r) { r.perturb.mla_temperature = std::sqrt(24.0 / 16.0); }},
+        {"MLA softmax flat (scores ignored)", [](RefModel& r) { r.perturb.mla_temperature = 0; }},
+        {"MLA attends only to its own token", [](RefModel& r) { r.perturb.mla_self_only = true; }},
+        {"KDA without memory (state reset every token)", [](RefModel& r) { r.perturb.kda_no_memory = true; }},
+    };
+    for (const P& p : ps) {
+      RefModel r(c, *src);
+      p.set(r);
+      const Agreement a = compare(want, as_float(r.forward(tokens)), c.vocab_size);
+      std::printf("[ sensitivity ] tiny %s: %-72s median %.4f  p95 %.4f  max %.4f\n", variant, p.name,
+                  a.quantile(0.5), a.quantile(0.95), a.quantile(1.0));
+    }
+  }
+}
 
 // ---------------------------------------------------------------- the reference checked against itself
 

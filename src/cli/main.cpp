@@ -18,6 +18,9 @@
 #ifdef K3_MPI
 #include "comm/mpi.h"
 #endif
+#ifdef K3_CUDA
+#include "bench/bench.h"
+#endif
 
 namespace {
 
@@ -129,6 +132,24 @@ int main(int argc, char** argv) {
   add_model_args(ins, im);
   ins->add_option("--config", config_path, "a config.json file");
 
+#ifdef K3_CUDA
+  BenchArgs ba;
+  auto* bench = app.add_subcommand("bench", "time decode steps on the GPU against their HBM floor");
+  bench->add_option("--preset", ba.preset, "k3-rank-slice | tiny | small")->capture_default_str();
+  bench->add_option("--variant", ba.variant, "k3 | k3.1")->capture_default_str();
+  bench->add_option("--tp", ba.tp, "rank slice: TP size of the deployment")->capture_default_str();
+  bench->add_option("--dp", ba.dp, "rank slice: DP replicas of the deployment")->capture_default_str();
+  bench->add_option("--rank", ba.rank, "rank slice: world rank whose weights are built")->capture_default_str();
+  bench->add_option("--batches", ba.batches, "requests per step")->capture_default_str();
+  bench->add_option("--q", ba.qs, "tokens per request")->capture_default_str();
+  bench->add_option("--steps", ba.steps, "stock and/or hybrid")->capture_default_str();
+  bench->add_option("--context", ba.context, "cached tokens per request")->capture_default_str();
+  bench->add_option("--iters", ba.iters, "timed graph replays per point")->capture_default_str();
+  bench->add_option("--warmup", ba.warmup, "untimed replays first")->capture_default_str();
+  bench->add_option("--json", ba.json, "write one record per point");
+  bench->add_option("--commit", ba.commit, "commit id recorded in the JSON");
+#endif
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -190,6 +211,10 @@ int main(int argc, char** argv) {
       } else {
         for (const auto& x : results) std::cout << join(x.tokens, " ") << "\n";
       }
+#ifdef K3_CUDA
+    } else if (*bench) {
+      return run_bench(ba);
+#endif
     } else if (*mk) {
       ModelConfig c = preset_config(preset, variant);
       auto src = make_synthetic(c, seed);

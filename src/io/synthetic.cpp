@@ -44,10 +44,26 @@ ModelConfig preset_config(const std::string& preset, const std::string& variant)
     c.moe.latent_size = 128;
     full = {4, 8, 11, 12};
     if (variant == "k3.1") c.dsa = DsaConfig{8, 32, 16};
+  } else if (preset == "full") {  // the published K3 / K3.1 shapes (kimi-k3.md section 1)
+    c.hidden_size = 7168;
+    c.num_layers = 93;
+    c.vocab_size = 163840;
+    c.attn_res_block_size = 12;
+    c.dense_intermediate_size = 33792;
+    c.kda = {96, 128, 4, -5.0f, true};
+    c.mla = {96, 1536, 512, 128, 64, 128, true};
+    c.moe.num_experts = 896;
+    c.moe.experts_per_token = 16;
+    c.moe.num_shared_experts = 2;
+    c.moe.intermediate_size = 3072;
+    c.moe.latent_size = 3584;
+    for (int l = 4; l <= 92; l += 4) full.push_back(l);
+    full.push_back(93);
+    if (variant == "k3.1") c.dsa = DsaConfig{32, 128, 2048};
   } else {
-    fail("make-model: unknown preset \"{}\" (tiny | small)", preset);
+    fail("make-model: unknown preset \"{}\" (tiny | small | full)", preset);
   }
-  c.eos_token_id = c.vocab_size - 2;
+  c.eos_token_id = preset == "full" ? 163586 : c.vocab_size - 2;
   c.rms_norm_eps = 1e-5f;
   c.situ_beta = 4.0f;
   c.situ_linear_beta = 25.0f;

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "ops/dsa.h"
+#include "ops/elementwise.h"
 #include "ops/kda.h"
 #include "ops/linear.h"
 #include "ops/mla.h"
@@ -18,7 +19,6 @@ namespace k3 {
 namespace {
 using Buf = std::vector<float>;
 Buf buf(int64_t n) { return Buf(static_cast<size_t>(n), 0.0f); }
-float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 ops::SituParams situ(const ModelConfig& c) { return {c.situ_beta, c.situ_linear_beta}; }
 }  // namespace
 
@@ -212,7 +212,7 @@ void mla_attention(const ModelConfig& c, const MlaWeights& w, int layer, const f
   Buf o = buf(rows * H * dv), gate = buf(rows * H * dv);
   ops::mla_unabsorb(olat.data(), w.kv_b, o.data(), rows, H, dn, dv, R);
   ops::linear(x, w.g_proj, gate.data(), rows, D, int64_t{H} * dv);
-  for (size_t i = 0; i < o.size(); ++i) o[i] = round_bf16(o[i] * sigmoid(gate[i]));
+  ops::gate_sigmoid(o.data(), gate.data(), o.data(), static_cast<int64_t>(o.size()));
   ops::linear(o.data(), w.o_proj, out, rows, int64_t{H} * dv, D);
 }
 
@@ -301,7 +301,7 @@ void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t 
   const int64_t S = e.shared_intermediate();
   Buf sscratch = buf(2 * real * S);
   ops::mlp(x, w.shared_gate, w.shared_up, w.shared_down, shared.data(), real, D, S, situ(c), sscratch.data());
-  for (int64_t i = 0; i < real * D; ++i) out[i] = round_bf16(up[i] + shared[i]);
+  ops::add(up.data(), shared.data(), out, real * D);
 }
 
 void dense_ffn(const ModelConfig& c, const DenseWeights& w, const float* x, int64_t rows, float* out) {

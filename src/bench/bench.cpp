@@ -1,0 +1,212 @@
+#include "bench/bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "bench/kernels.h"
+#include "config/schema.h"
+#include "core/cuda.h"
+#include "core/rng.h"
+#include "io/synthetic.h"
+#include "runtime/gpu_rank.h"
+
+namespace k3 {
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+// HBM read bandwidth (bytes/s): median of 20 reads of a 4 GiB buffer.
+double measure_bandwidth(cudaStream_t s, int sms) {
+  const size_t bytes = size_t{4} << 30;
+  DeviceBuffer buf(bytes), sink(64);
+  CUDA_CHECK(cudaMemsetAsync(buf.get(), 1, bytes, s));
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int i = 0; i < 23; ++i) {
+    CUDA_CHECK(cudaEventRecord(a, s));
+    CUDA_CHECK(static_cast<cudaError_t>(bench::stream_read(buf.get(), bytes, sink.get<unsigned>(), sms, s)));
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (i >= 3) t.push_back(ms * 1e-3);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return static_cast<double>(bytes) / median(t);
+}
+
+// Bytes one step touches (bench.h), for B requests x q tokens at `context` cached tokens.
+double step_bytes(const ModelConfig& c, const ShardSpec& sh, int B, int q, int64_t context) {
+  const double D = c.hidden_size, G = sh.tp_size, m = double(B) * q;
+  double w = 0, cache = 0;
+  const double d = c.kda.head_dim, Hk = c.kda.num_heads / G, C = Hk * d, K = c.kda.conv_kernel;
+  const auto& a = c.mla;
+  const double Hm = a.num_heads / G, Q = a.q_lora_rank, R = a.kv_lora_rank, P = a.qk_rope_head_dim,
+               dn = a.qk_nope_head_dim, dv = a.v_head_dim, E = R + P;
+  const auto& e = c.moe;
+  const double L = e.latent_size, I = e.intermediate_size, S = e.shared_intermediate(), k = e.experts_per_token;
+  const double local_experts = double(e.num_experts) / sh.world_size;
+  const double shard_rows = std::ceil(m / G);
+  const double touched = std::min(local_experts, shard_rows * k);
+  const double expert = 3 * (I * L / 2 + I * L / 32);
+  const double ctx = double(context) + q;
+  for (int l = 0; l < c.num_layers; ++l) {
+    w += 6 * D * 2;
+    if (c.attn_kinds[l] == AttnKind::KDA) {
+      const double in_rows = std::ceil((4 * C + d + Hk) / 16) * 16;
+      w += in_rows * D * 2 + 3 * C * K * 4 + C * d * 2 + Hk * 4 + C * 4 + d * 4 + D * C * 2;
+      cache += B * (Hk * d * d * 4 * (1 + q) + 3 * C * (K - 1) * 4 * (1 + q));
+    } else {
+      w += (Q * D + Q + Hm * (dn + P) * Q + E * D + R + Hm * (dn + dv) * R + 2 * Hm * dv * D) * 2;
+      if (c.dsa) {
+        const double Hi = c.dsa->index_n_heads, Di = c.dsa->index_head_dim;
+        w += (Hi * Di * Q + Di * D + Hi * D + 2 * Di) * 2;
+        cache += m * (ctx * Di * 2 + std::min<double>(c.dsa->index_topk, ctx) * E * 2) + m * (E + Di) * 2;
+      } else {
+        cache += B * ctx * E * 2 + m * E * 2;
+      }
+    }
+    if (l < e.first_k_dense_replace)
+      w += 3 * double(c.dense_intermediate_size) * D * 2;
+    else
+      w += (e.num_experts * D + 2 * L * D + L + 3 * S * D) * 2 + e.num_experts * 4 + touched * expert;
+  }
+  w += (double(c.vocab_size) / G) * D * 2 + 3 * D * 2 + m * D * 2;
+  return w + cache;
+}
+
+// Random device fill by role (bench weights: values of a sane scale; speed does not depend on them).
+GpuFill random_fill(uint64_t seed, cudaStream_t s) {
+  auto counter = std::make_shared<uint64_t>(0);
+  return [=](void* dev, const void*, size_t bytes, DType dt, const std::string& role) {
+    const uint64_t sd = seed * 1315423911ull + (*counter)++;
+    int kind = dt == DType::BF16 ? 0 : dt == DType::F32 ? 1 : role == "e8m0" ? 3 : 2;
+    const int64_t n = static_cast<int64_t>(bytes / dtype_size(dt));
+    float center = 0, half = 0.02f;
+    if (role == "norm") center = 0.5f, half = 0.1f;
+    if (role == "A_log") half = 0.5f;
+    if (role == "conv") half = 0.5f;
+    if (role == "embed") half = 1.0f;
+    CUDA_CHECK(static_cast<cudaError_t>(bench::fill(dev, n, kind, center, half, sd, s)));
+  };
+}
+
+}  // namespace
+
+int run_bench(const BenchArgs& args) {
+  ops::cuda::Context ctx = ops::cuda::create_context();
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(ctx.stream);
+  const double bw = measure_bandwidth(s, ctx.sm_count);
+  fmt::print("HBM read bandwidth (streaming kernel, 4 GiB): {:.0f} GB/s\n", bw / 1e9);
+
+  ModelConfig c;
+  ShardSpec shard;
+  GpuRankOptions go;
+  std::shared_ptr<MemoryCheckpoint> src;
+  ModelWeights host;
+  bool slice = args.preset == "k3-rank-slice" && args.model_dir.empty();
+  if (slice) {
+    c = preset_config("full", args.variant);
+    shard = ShardSpec{args.tp, args.rank % args.tp, args.tp * args.dp, args.rank};
+    go.loopback = true;
+  } else {
+    K3_CHECK(args.model_dir.empty(), "bench: --model is not supported yet; use --preset tiny | small | k3-rank-slice");
+    c = preset_config(args.preset, args.variant);
+    src = make_synthetic(c, args.seed);
+    host = load_weights(c, *src);
+  }
+  const int maxB = *std::max_element(args.batches.begin(), args.batches.end());
+  const int maxq = *std::max_element(args.qs.begin(), args.qs.end());
+  go.shard = shard;
+  go.max_slots = maxB;
+  go.max_batch = maxB;
+  go.max_q = maxq;
+  go.page_size = 64;
+  go.max_context = args.context + maxq;
+  fmt::print("building {} ({} {}, tp {} dp {} rank {}) ...\n", slice ? "the rank slice" : args.preset, args.variant,
+             slice ? "full K3 shapes" : "preset", shard.tp_size, shard.world_size / shard.tp_size, shard.world_rank);
+  GpuWeights weights = slice ? build_gpu_weights(c, shard, nullptr, random_fill(args.seed, s))
+                             : build_gpu_weights(c, shard, &host, upload_fill());
+  const double wbytes = static_cast<double>(weights.bytes);
+  GpuRank rank(c, std::move(weights), go, ctx);
+  for (auto& p : rank.cache_pools())
+    CUDA_CHECK(static_cast<cudaError_t>(
+        bench::fill(p.ptr, static_cast<int64_t>(p.bytes / (p.f32 ? 4 : 2)), p.f32 ? 1 : 0, 0.0f, 0.05f, 7, s)));
+  std::vector<int> slots;
+  for (int b = 0; b < maxB; ++b) {
+    slots.push_back(rank.admit());
+    rank.set_context(slots.back(), args.context);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  fmt::print("weights {:.1f} GB, caches {:.1f} GB on the device\n", wbytes / 1e9, rank.cache_bytes() / 1e9);
+  fmt::print("{:>7} {:>5} {:>3} {:>7} {:>7} {:>11} {:>11} {:>11} {:>10} {:>11} {:>7}\n", "step", "B", "q", "rows",
+             "ctx", "median_us", "min_us", "max_us", "MB", "floor_us", "ratio");
+  nlohmann::json records = nlohmann::json::array();
+  Rng rng(args.seed);
+  cudaEvent_t e0, e1;
+  CUDA_CHECK(cudaEventCreate(&e0));
+  CUDA_CHECK(cudaEventCreate(&e1));
+  for (const std::string& st : args.steps) {
+    const StepKind kind = st == "stock" ? StepKind::Stock : StepKind::Hybrid;
+    for (int q : args.qs)
+      for (int B : args.batches) {
+        std::vector<int32_t> tokens(static_cast<size_t>(B) * q);
+        for (auto& t : tokens) t = static_cast<int32_t>(rng.below(static_cast<uint64_t>(c.vocab_size)));
+        rank.prepare(std::span<const int>(slots.data(), static_cast<size_t>(B)), q, tokens);
+        for (int i = 0; i < args.warmup; ++i) rank.run_graph(kind);
+        std::vector<double> us;
+        for (int i = 0; i < args.iters; ++i) {
+          CUDA_CHECK(cudaEventRecord(e0, s));
+          rank.run_graph(kind);
+          CUDA_CHECK(cudaEventRecord(e1, s));
+          CUDA_CHECK(cudaEventSynchronize(e1));
+          float ms = 0;
+          CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+          us.push_back(ms * 1e3);
+        }
+        const double bytes = step_bytes(c, shard, B, q, args.context);
+        const double floor_us = bytes / bw * 1e6, med = median(us);
+        const double mn = *std::min_element(us.begin(), us.end()), mx = *std::max_element(us.begin(), us.end());
+        fmt::print("{:>7} {:>5} {:>3} {:>7} {:>7} {:>11.1f} {:>11.1f} {:>11.1f} {:>10.1f} {:>11.1f} {:>7.2f}\n", st, B, q,
+                   B * q, args.context, med, mn, mx, bytes / 1e6, floor_us, med / floor_us);
+        std::fflush(stdout);
+        records.push_back({{"preset", slice ? "k3-rank-slice" : args.preset},
+                           {"variant", args.variant},
+                           {"step", st},
+                           {"requests", B},
+                           {"q", q},
+                           {"rows", B * q},
+                           {"context", args.context},
+                           {"median_us", med},
+                           {"min_us", mn},
+                           {"max_us", mx},
+                           {"bytes", bytes},
+                           {"floor_us", floor_us},
+                           {"ratio", med / floor_us},
+                           {"hbm_gbps", bw / 1e9},
+                           {"iters", args.iters},
+                           {"commit", args.commit}});
+      }
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  if (!args.json.empty()) {
+    std::ofstream out(args.json);
+    K3_CHECK(out.good(), "bench: cannot write {}", args.json);
+    out << records.dump(1) << "\n";
+  }
+  return 0;
+}
+
+}  // namespace k3

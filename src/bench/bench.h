@@ -1,0 +1,37 @@
+// k3decode bench (bench-only code, apart from the engine): decode steps of a
+// GpuRank timed as CUDA graph replays (warm-up, then the median of many
+// replays timed one by one with CUDA events), each beside its floor:
+//   floor = bytes the step touches / HBM read bandwidth measured in the same
+//   run by a large read-only streaming kernel.
+// Bytes touched: every weight the step reads (all attention, replicated MoE
+// parts, dense MLP, lm_head slice, the embedding rows, the routed experts
+// that receive at least one token: min(local experts, pairs) of them), the
+// KDA states read and the per-token history written, the latent cache (and
+// DSA indexer keys) read; activations are ignored (they stay in L2).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace k3 {
+
+struct BenchArgs {
+  std::string model_dir;          // a model directory, or
+  std::string preset = "k3-rank-slice";  // k3-rank-slice | tiny | small
+  std::string variant = "k3";
+  int tp = 8, dp = 4, rank = 0;   // the deployment the rank slice is cut from
+  std::vector<int> batches = {1, 8, 32, 64};  // requests per step
+  std::vector<int> qs = {1, 4};               // tokens per request
+  std::vector<std::string> steps = {"stock", "hybrid"};
+  int64_t context = 8192;
+  int warmup = 5;
+  int iters = 50;
+  uint64_t seed = 1;
+  std::string json;               // write the records here
+  std::string commit;             // recorded in the JSON
+};
+
+// Runs the benchmark, prints a table, writes JSON; returns 0.
+int run_bench(const BenchArgs& args);
+
+}  // namespace k3

@@ -1,0 +1,892 @@
+// The parallel runtime (StockStep / HybridStep over TP x DP x DCP layouts, EP
+// over the world) against the single-rank Engine, on the tiny presets:
+//   ParallelEquivalence  every layout x step x variant, teacher-forced scripts
+//                        (prefill chunks, decode, verify with partial accept,
+//                        B = 0 steps of idle replicas) give the single-rank
+//                        logits within a BF16 summation-order tolerance; every
+//                        rank of a replica returns bitwise the same logits
+//   ParallelControl      the same check reports a large ratio against a model
+//                        with one expert perturbed / another seed
+//   ParallelMoe          run_stock_moe (hybrid) == stock SP MoE == single-rank
+//                        moe_ffn, bitwise
+//   ParallelCounts       collectives and bytes per step, derived from the layer plan
+//   ParallelLayout       bad layouts are k3::Errors naming the quantity, before
+//                        any weight is read
+//   ParallelAux          aux hidden states [aux, rows, D] across steps and layouts
+//   ParallelGenerate     generate() over DP replicas equals single-rank generate()
+//
+// Nothing asserts inside a rank's thread (an early return there would leave the
+// other ranks waiting in a collective): ranks record, the test thread checks.
+// A watchdog ends the process if the ranks do not finish (a hang is a failure).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "comm/local.h"
+#include "config/model_config.h"
+#include "core/bf16.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "io/checkpoint.h"
+#include "io/synthetic.h"
+#include "model/layers.h"
+#include "model/weights.h"
+#include "runtime/cluster.h"
+#include "runtime/engine.h"
+#include "runtime/generate.h"
+#include "runtime/steps.h"
+
+namespace {
+
+using Logits = std::vector<float>;
+using k3::CollKind;
+using k3::Layout;
+using k3::StepKind;
+
+const char* const kVariants[] = {"k3", "k3.1"};
+const StepKind kSteps[] = {StepKind::Stock, StepKind::Hybrid};
+
+// Tolerances, as a fraction of the reference row's spread (max - min) of the
+// logits. Layouts with G > 1 change the summation order of the attention's
+// o_proj (partial sums per head slice, rounded to BF16, then summed) and, with
+// DCP, of the softmax (log-sum-exp merge of position shards); everything else
+// is row-local and bitwise identical. Measured on the tiny presets (8 layers):
+// worst row ~2.4e-2 of the spread (k3.1 tp8/dcp8), means <= 3.5e-3 (see the
+// printed lines and docs/PARALLEL.md). A real bug (wrong head slice, wrong
+// expert, wrong DCP merge) moves the logits by O(1) of the spread (the
+// controls below: >= 0.3 worst, >= 0.1 mean).
+constexpr double kWorstTol = 0.06;  // per row: max |diff| <= 6% of the row's spread
+constexpr double kMeanTol = 0.01;   // mean of the per-row ratios over a whole layout
+
+// ---------------------------------------------------------------- helpers
+
+struct Model {
+  k3::ModelConfig config;
+  std::shared_ptr<const k3::TensorSource> src;
+};
+
+const Model& tiny(const std::string& variant, uint64_t seed = 0) {
+  static std::mutex mu;
+  static std::map<std::pair<std::string, uint64_t>, Model> models;
+  std::lock_guard lock(mu);
+  auto key = std::make_pair(variant, seed);
+  auto it = models.find(key);
+  if (it == models.end()) {
+    k3::ModelConfig c = k3::preset_config("tiny", variant);
+    std::shared_ptr<const k3::TensorSource> src = k3::make_synthetic(c, seed);
+    it = models.emplace(key, Model{c, src}).first;
+  }
+  return it->second;
+}
+
+k3::EngineOptions engine_opts(StepKind step, std::vector<int> aux = {}) {
+  k3::CacheOptions c;
+  c.max_slots = 6;  // the single-rank reference holds every replica's requests
+  c.max_context = 48;
+  c.max_q = 4;
+  c.page_size = 4;  // requests span several pages; with DCP a page holds 4 of a rank's positions
+  k3::EngineOptions o(c);
+  o.step = step;
+  o.aux_layers = std::move(aux);
+  return o;
+}
+
+std::string layout_name(const Layout& L) {
+  return "tp" + std::to_string(L.tp) + "_dp" + std::to_string(L.dp) + "_dcp" + std::to_string(L.dcp);
+}
+
+constexpr int kWatchdogSeconds = 600;  // generous: the suite also runs under ASan
+
+// Runs body(i) on n threads; rethrows the first exception. If the threads do not
+// all finish in time (a rank left the others waiting in a collective), reports
+// and ends the process instead of hanging the test run.
+void run_threads(int n, const std::function<void(int)>& body) {
+  std::mutex mu;
+  std::condition_variable cv;
+  int done = 0;
+  std::exception_ptr first;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < n; ++i)
+    threads.emplace_back([&, i] {
+      try {
+        body(i);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d threw: %s\n", i, e.what());
+        std::lock_guard lock(mu);
+        if (!first) first = std::current_exception();
+      } catch (...) {
+        std::lock_guard lock(mu);
+        if (!first) first = std::current_exception();
+      }
+      std::lock_guard lock(mu);
+      ++done;
+      cv.notify_all();
+    });
+  {
+    std::unique_lock lock(mu);
+    if (!cv.wait_for(lock, std::chrono::seconds(kWatchdogSeconds), [&] { return done == n; })) {
+      std::fprintf(stderr, "test_parallel: %d of %d ranks still running after %d s (a rank is stuck in a collective)\n",
+                   n - done, n, kWatchdogSeconds);
+      std::fflush(stderr);
+      std::_Exit(3);
+    }
+  }
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+// cluster.run(fn) under the watchdog.
+void run_cluster(k3::LocalCluster& cluster, const std::function<void(int, k3::Engine&)>& fn) {
+  run_threads(1, [&](int) { cluster.run(fn); });
+}
+
+// Per-row ratio max |got - want| / (max - min of want) over rows of width V.
+struct Ratio {
+  double worst = 0, sum = 0;
+  int64_t rows = 0;
+  int64_t worst_row = -1;
+  int64_t over[4] = {};  // rows over 1%, 2%, 3%, 5%
+  double mean() const { return rows ? sum / static_cast<double>(rows) : 0.0; }
+  void add(const Logits& want, const Logits& got, int64_t V) {
+    const int64_t n = static_cast<int64_t>(std::min(want.size(), got.size())) / V;
+    for (int64_t r = 0; r < n; ++r) {
+      const float* a = want.data() + r * V;
+      const float* b = got.data() + r * V;
+      float lo = a[0], hi = a[0];
+      double diff = 0;
+      for (int64_t i = 0; i < V; ++i) {
+        lo = std::min(lo, a[i]);
+        hi = std::max(hi, a[i]);
+        const double d = std::fabs(static_cast<double>(a[i]) - static_cast<double>(b[i]));
+        diff = std::isnan(d) ? INFINITY : std::max(diff, d);
+      }
+      const double ratio = hi > lo ? diff / (hi - lo) : (diff > 0 ? INFINITY : 0.0);
+      if (ratio > worst || worst_row < 0) {
+        worst = std::max(worst, ratio);
+        worst_row = rows;
+      }
+      sum += ratio;
+      ++rows;
+      const double th[4] = {0.01, 0.02, 0.03, 0.05};
+      for (int t = 0; t < 4; ++t) over[t] += ratio > th[t];
+    }
+  }
+};
+
+bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+}
+
+std::vector<int32_t> random_tokens(k3::Rng& rng, int n, int vocab) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i) t.push_back(static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab))));
+  return t;
+}
+
+// ---------------------------------------------------------------- teacher-forced scripts
+
+// One step of a replica: requests (global ids) x q tokens, then commit[b] of each.
+struct Op {
+  std::vector<int> reqs;
+  int q = 1;
+  std::vector<int32_t> tokens;  // [B q]
+  std::vector<int> commits;     // [B]
+};
+
+// Request i is served by replica i mod dp (as generate() does). Each replica's
+// ops: prefill chunks (max_q = 4) of each request on its own, a batched q = 2
+// step, decode steps of all / of one request (rows < G), a verify step (q = 3)
+// with partial accepts (2, 1, 0), decode, a second verify (q = 4) accepting
+// 1 / 3 / 2, decode. A replica with fewer ops steps with B = 0 while the
+// others finish (the MoE exchange spans every rank).
+struct Script {
+  int dp = 1;
+  std::vector<int> prompt_len;
+  std::vector<std::vector<int>> requests;  // per replica
+  std::vector<std::vector<Op>> ops;        // per replica
+  int rounds = 0;
+};
+
+Script make_script(int dp, int vocab) {
+  Script s;
+  s.dp = dp;
+  s.prompt_len = dp == 1 ? std::vector<int>{7, 2, 5} : std::vector<int>{7, 2, 5, 3, 1};
+  const int n = static_cast<int>(s.prompt_len.size());
+  s.requests.resize(dp);
+  s.ops.resize(dp);
+  for (int i = 0; i < n; ++i) s.requests[i % dp].push_back(i);
+  k3::Rng rng(4242);
+  for (int p = 0; p < dp; ++p) {
+    const std::vector<int>& R = s.requests[p];
+    const int B = static_cast<int>(R.size());
+    auto all = [&](int q, std::vector<int> commits) {
+      Op op;
+      op.reqs = R;
+      op.q = q;
+      op.tokens = random_tokens(rng, B * q, vocab);
+      op.commits = commits.empty() ? std::vector<int>(B, q) : commits;
+      op.commits.resize(B);
+      return op;
+    };
+    for (int id : R)
+      for (int at = 0; at < s.prompt_len[id]; at += 4) {
+        Op op;
+        op.reqs = {id};
+        op.q = std::min(4, s.prompt_len[id] - at);
+        op.tokens = random_tokens(rng, op.q, vocab);
+        op.commits = {op.q};
+        s.ops[p].push_back(op);
+      }
+    s.ops[p].push_back(all(2, {}));
+    s.ops[p].push_back(all(1, {}));
+    s.ops[p].push_back(all(1, {}));
+    {
+      Op one;  // one row only: fewer rows than ranks on G >= 2
+      one.reqs = {R[0]};
+      one.q = 1;
+      one.tokens = random_tokens(rng, 1, vocab);
+      one.commits = {1};
+      s.ops[p].push_back(one);
+    }
+    s.ops[p].push_back(all(3, {2, 1, 0}));
+    s.ops[p].push_back(all(1, {}));
+    s.ops[p].push_back(all(1, {}));
+    s.ops[p].push_back(all(4, {1, 3, 2}));
+    s.ops[p].push_back(all(1, {}));
+    s.ops[p].push_back(all(1, {}));
+    s.rounds = std::max(s.rounds, static_cast<int>(s.ops[p].size()));
+  }
+  return s;
+}
+
+struct StepRecord {
+  Logits logits;           // [B q, V]
+  std::vector<float> aux;  // [aux layers, B q, D]
+  StepKind kind = StepKind::Auto;
+};
+
+// Applies op on engine e (slots of the request ids in slot_of), records the output.
+StepRecord apply(k3::Engine& e, std::map<int, int>& slot_of, const Op& op) {
+  std::vector<int> slots;
+  for (int id : op.reqs) slots.push_back(slot_of.at(id));
+  StepRecord rec;
+  rec.logits = e.step(slots, op.q, op.tokens);
+  rec.aux = e.last_aux();
+  rec.kind = e.last_step();
+  for (size_t b = 0; b < slots.size(); ++b) e.commit(slots[b], op.commits[b]);
+  return rec;
+}
+
+// A replica rank's whole script: per op, its record (B = 0 steps not recorded).
+std::vector<StepRecord> play_replica(k3::Engine& e, const Script& s) {
+  const int p = e.layout().replica(e.world_rank());
+  std::map<int, int> slot_of;
+  for (int id : s.requests[p]) slot_of[id] = e.admit();
+  std::vector<StepRecord> out;
+  for (int j = 0; j < s.rounds; ++j) {
+    if (j < static_cast<int>(s.ops[p].size())) {
+      out.push_back(apply(e, slot_of, s.ops[p][j]));
+    } else {
+      e.step({}, 1, {});  // idle replica: an empty step, the MoE exchange spans every rank
+    }
+  }
+  return out;
+}
+
+// The single-rank reference: the same ops, replica by replica within a round.
+// Result [replica][op].
+std::vector<std::vector<StepRecord>> play_reference(const Model& m, const k3::EngineOptions& o, const Script& s) {
+  k3::Engine e(m.src, m.config, o);
+  std::map<int, int> slot_of;
+  for (size_t i = 0; i < s.prompt_len.size(); ++i) slot_of[static_cast<int>(i)] = e.admit();
+  std::vector<std::vector<StepRecord>> out(s.dp);
+  for (int j = 0; j < s.rounds; ++j)
+    for (int p = 0; p < s.dp; ++p)
+      if (j < static_cast<int>(s.ops[p].size())) out[p].push_back(apply(e, slot_of, s.ops[p][j]));
+  return out;
+}
+
+// Every world rank's records.
+std::vector<std::vector<StepRecord>> play_layout(const Model& m, const k3::EngineOptions& o, const Layout& L,
+                                                 const Script& s) {
+  k3::LocalCluster cluster(m.src, m.config, o, L);
+  std::vector<std::vector<StepRecord>> per_rank(L.world());
+  run_cluster(cluster, [&](int w, k3::Engine& e) { per_rank[w] = play_replica(e, s); });
+  return per_rank;
+}
+
+// Compares a layout's records against the reference: ranks of a replica bitwise
+// identical (failures added), logits ratios accumulated.
+Ratio compare_layout(const std::vector<std::vector<StepRecord>>& per_rank,
+                     const std::vector<std::vector<StepRecord>>& ref, const Layout& L, int64_t V,
+                     const std::string& what) {
+  Ratio ratio;
+  for (int w = 0; w < L.world(); ++w) {
+    const int p = L.replica(w), lead = p * L.tp;
+    const auto& got = per_rank[w];
+    EXPECT_EQ(got.size(), ref[p].size()) << what << ": rank " << w;
+    if (w != lead) {
+      for (size_t j = 0; j < std::min(got.size(), per_rank[lead].size()); ++j)
+        EXPECT_TRUE(bit_equal(got[j].logits, per_rank[lead][j].logits))
+            << what << ": rank " << w << " op " << j << " logits differ from rank " << lead << " of its replica";
+      continue;
+    }
+    for (size_t j = 0; j < std::min(got.size(), ref[p].size()); ++j) {
+      EXPECT_EQ(got[j].logits.size(), ref[p][j].logits.size()) << what << ": replica " << p << " op " << j;
+      ratio.add(ref[p][j].logits, got[j].logits, V);
+    }
+  }
+  return ratio;
+}
+
+// ---------------------------------------------------------------- equivalence matrix
+
+struct LayoutCase {
+  int tp, dp, dcp;
+};
+
+class ParallelEquivalence : public ::testing::TestWithParam<LayoutCase> {};
+
+// The single-rank references, shared by the layouts (key: variant, dp, step).
+const std::vector<std::vector<StepRecord>>& reference(const std::string& variant, int dp, StepKind step) {
+  static std::map<std::tuple<std::string, int, StepKind>, std::vector<std::vector<StepRecord>>> cache;
+  auto key = std::make_tuple(variant, dp, step);
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    const Model& m = tiny(variant);
+    it = cache.emplace(key, play_reference(m, engine_opts(step), make_script(dp, m.config.vocab_size))).first;
+  }
+  return it->second;
+}
+
+TEST_P(ParallelEquivalence, MatchesSingleRank) {
+  const Layout L{GetParam().tp, GetParam().dp, GetParam().dcp};
+  for (const char* variant : kVariants) {
+    const Model& m = tiny(variant);
+    const int64_t V = m.config.vocab_size;
+    const Script s = make_script(L.dp, m.config.vocab_size);
+    std::map<StepKind, std::vector<std::vector<StepRecord>>> runs;
+    for (StepKind step : kSteps) {
+      const std::string what = layout_name(L) + " " + variant + " " + k3::step_kind_name(step);
+      SCOPED_TRACE(what);
+      const auto& ref = reference(variant, L.dp, step);
+      auto per_rank = play_layout(m, engine_opts(step), L, s);
+      // The step kind that ran is the forced one, on every rank and every step.
+      for (const auto& rank : per_rank)
+        for (const auto& rec : rank) EXPECT_EQ(rec.kind, step);
+      const Ratio r = compare_layout(per_rank, ref, L, V, what);
+      EXPECT_GT(r.rows, 0);
+      std::printf("[ parallel ] %-16s %-4s %-6s rows %3lld  worst |diff|/spread %.3e  mean %.3e over1/2/3/5%% %lld %lld %lld %lld\n",
+                  layout_name(L).c_str(), variant, k3::step_kind_name(step), static_cast<long long>(r.rows), r.worst,
+                  r.mean(), (long long)r.over[0], (long long)r.over[1], (long long)r.over[2], (long long)r.over[3]);
+      EXPECT_LE(r.worst, kWorstTol) << what << ": worst row " << r.worst_row;
+      EXPECT_LT(r.mean(), kMeanTol) << what;
+      if (L.tp == 1) {
+        // One rank holds every head: the same sums in the same order as the
+        // single rank (EP moves BF16 losslessly), so bitwise identical.
+        EXPECT_EQ(r.worst, 0.0) << what << ": a tp 1 layout must be bitwise the single rank";
+      }
+      runs[step] = std::move(per_rank);
+    }
+    // Stock and hybrid on the same layout: the attention input rows are the same
+    // BF16 values and both reduce the o_proj partials in rank order with FP32
+    // accumulation (reduce_scatter vs all_reduce): bitwise identical logits.
+    const auto& a = runs[StepKind::Stock];
+    const auto& b = runs[StepKind::Hybrid];
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t w = 0; w < a.size(); ++w) {
+      ASSERT_EQ(a[w].size(), b[w].size());
+      for (size_t j = 0; j < a[w].size(); ++j)
+        EXPECT_TRUE(bit_equal(a[w][j].logits, b[w][j].logits))
+            << layout_name(L) << " " << variant << ": rank " << w << " op " << j << " stock != hybrid";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ParallelLayouts, ParallelEquivalence,
+                         ::testing::Values(LayoutCase{1, 1, 1}, LayoutCase{2, 1, 1}, LayoutCase{2, 1, 2},
+                                           LayoutCase{4, 1, 1}, LayoutCase{4, 1, 4}, LayoutCase{2, 2, 1},
+                                           LayoutCase{2, 2, 2}, LayoutCase{4, 2, 2}, LayoutCase{8, 1, 8}),
+                         [](const ::testing::TestParamInfo<LayoutCase>& i) {
+                           return layout_name(Layout{i.param.tp, i.param.dp, i.param.dcp});
+                         });
+
+// ---------------------------------------------------------------- negative controls
+
+// A copy of the tiny model with expert `x` of MoE layer `layer` negated (the
+// sign bit of every E2M1 value of its down projection w2 flipped).
+std::shared_ptr<const k3::TensorSource> perturbed_expert(const std::string& variant, int layer, int x) {
+  const k3::ModelConfig c = k3::preset_config("tiny", variant);
+  std::unique_ptr<k3::MemoryCheckpoint> ck = k3::make_synthetic(c, 0);
+  const std::string name = "language_model.model.layers." + std::to_string(layer) + ".block_sparse_moe.experts." +
+                           std::to_string(x) + ".w2.weight_packed";
+  k3::Tensor& t = ck->mutable_tensor(name);
+  auto* p = static_cast<uint8_t*>(t.data());
+  for (size_t i = 0; i < t.nbytes(); ++i) p[i] ^= 0x88;
+  return std::shared_ptr<const k3::TensorSource>(std::move(ck));
+}
+
+TEST(ParallelControl, CheckFailsAgainstAPerturbedExpertOrAnotherSeed) {
+  const Layout L{2, 2, 2};
+  for (const char* variant : kVariants) {
+    const Model& m = tiny(variant);
+    const int64_t V = m.config.vocab_size;
+    const Script s = make_script(L.dp, m.config.vocab_size);
+    const auto per_rank = play_layout(m, engine_opts(StepKind::Hybrid), L, s);
+    // Sanity: against the right model it passes.
+    const Ratio good = compare_layout(per_rank, reference(variant, L.dp, StepKind::Hybrid), L, V, "control");
+    EXPECT_LE(good.worst, kWorstTol);
+
+    const Model bad_expert{m.config, perturbed_expert(variant, 4, 5)};
+    const Ratio r1 =
+        compare_layout(per_rank, play_reference(bad_expert, engine_opts(StepKind::Hybrid), s), L, V, "control");
+    const Ratio r2 = compare_layout(per_rank, play_reference(tiny(variant, 1), engine_opts(StepKind::Hybrid), s), L, V,
+                                    "control");
+    std::printf("[ parallel ] control %-4s: expert 5 of layer 4 negated: worst %.3f mean %.3f; seed 1: worst %.3f "
+                "mean %.3f (tolerance %.3f / mean %.3f)\n",
+                variant, r1.worst, r1.mean(), r2.worst, r2.mean(), kWorstTol, kMeanTol);
+    std::printf("over %lld %lld %lld %lld of %lld\n", (long long)r1.over[0], (long long)r1.over[1], (long long)r1.over[2], (long long)r1.over[3], (long long)r1.rows);
+    EXPECT_GT(r1.worst, 5 * kWorstTol) << variant << ": a negated expert must fail the check by far";
+    EXPECT_GT(r1.mean(), kMeanTol) << variant;
+    EXPECT_GT(r2.worst, 5 * kWorstTol) << variant << ": another model must fail the check by far";
+    EXPECT_GT(r2.mean(), 5 * kMeanTol) << variant;
+  }
+}
+
+// ---------------------------------------------------------------- stock vs hybrid MoE, bitwise
+
+std::vector<float> random_rows(uint64_t seed, int64_t m, int64_t D) {
+  k3::Rng rng(seed);
+  std::vector<float> x(static_cast<size_t>(m * D));
+  for (float& v : x) v = k3::round_bf16(static_cast<float>(rng.normal()));
+  return x;
+}
+
+TEST(ParallelMoe, StockAndHybridPathsAreBitwiseTheSingleRankMoe) {
+  for (const char* variant : kVariants) {
+    const Model& m = tiny(variant);
+    const k3::ModelConfig& c = m.config;
+    const int64_t D = c.hidden_size;
+    const k3::LayerPlan plan = k3::LayerPlan::from(c);
+    std::vector<int> moe_layers;
+    for (int l = 0; l < c.num_layers; ++l)
+      if (plan.layers[l].ffn == k3::FfnKind::MoE) moe_layers.push_back(l);
+    ASSERT_GE(moe_layers.size(), 2u);
+    const int layers[2] = {moe_layers.front(), moe_layers.back()};
+
+    // The single-rank moe_ffn on all rows: the whole model, a world of one.
+    const k3::ModelWeights whole = k3::load_weights(c, *m.src);
+    auto solo = k3::make_local_world(Layout{});
+    auto single = [&](int layer, const std::vector<float>& x, int64_t rows) {
+      std::vector<float> y(x.size());
+      k3::moe_ffn(c, whole.layers[layer].moe, x.data(), rows, rows, *solo[0].world, y.data());
+      return y;
+    };
+
+    for (const Layout L : {Layout{4, 1, 1}, Layout{2, 2, 1}}) {
+      for (int64_t rows : {int64_t{7}, int64_t{3}, int64_t{1}, int64_t{0}, int64_t{12}}) {
+        const std::string what = std::string(variant) + " " + layout_name(L) + " m=" + std::to_string(rows);
+        SCOPED_TRACE(what);
+        const int G = L.tp, W = L.world();
+        const int64_t cs = k3::sp_shard_rows(rows, G);
+        // Replica p's rows (the same on its ranks); replica 1 has other rows, and a different count.
+        std::vector<int64_t> m_of(L.dp);
+        std::vector<std::vector<float>> x_of(L.dp);
+        for (int p = 0; p < L.dp; ++p) {
+          m_of[p] = p == 0 ? rows : rows + 2;
+          x_of[p] = random_rows(100 + 7 * p + static_cast<uint64_t>(rows), m_of[p], D);
+        }
+        auto groups = k3::make_local_world(L);
+        std::vector<k3::ModelWeights> weights(W);
+        for (int w = 0; w < W; ++w)
+          weights[w] = k3::load_weights(c, *m.src, k3::ShardSpec{G, L.tp_rank(w), W, w});
+        // [layer][rank]
+        std::vector<std::vector<std::vector<float>>> hybrid(2, std::vector<std::vector<float>>(W)),
+            stock_shard(2, std::vector<std::vector<float>>(W));
+        run_threads(W, [&](int w) {
+          const int p = L.replica(w), t = L.tp_rank(w);
+          const int64_t mm = m_of[p], cw = k3::sp_shard_rows(mm, G);
+          k3::StepEnv env;
+          env.config = &c;
+          env.plan = &plan;
+          env.weights = &weights[w];
+          env.tp = groups[w].tp.get();
+          env.world = groups[w].world.get();
+          for (int i = 0; i < 2; ++i) {
+            // The hybrid step's MoE: sp_shard -> moe_ffn -> sp_all_gather -> trim.
+            hybrid[i][w].assign(static_cast<size_t>(mm * D), -1.0f);
+            k3::run_stock_moe(env, layers[i], x_of[p].data(), mm, hybrid[i][w].data());
+            // The stock step's MoE: moe_ffn on this rank's shard (gathered by the test).
+            std::vector<float> shard(static_cast<size_t>(cw * D));
+            const int64_t real = k3::sp_shard(x_of[p].data(), mm, D, G, t, shard.data());
+            stock_shard[i][w].assign(static_cast<size_t>(cw * D), -1.0f);
+            k3::moe_ffn(c, weights[w].layers[layers[i]].moe, shard.data(), cw, real, *groups[w].world,
+                        stock_shard[i][w].data());
+          }
+        });
+        (void)cs;
+        for (int i = 0; i < 2; ++i)
+          for (int p = 0; p < L.dp; ++p) {
+            const int64_t mm = m_of[p], cw = k3::sp_shard_rows(mm, G);
+            const std::vector<float> want = single(layers[i], x_of[p], mm);
+            std::vector<float> stock;
+            for (int t = 0; t < G; ++t) {
+              const auto& sh = stock_shard[i][p * G + t];
+              // Padding rows of a shard come back zero.
+              const int64_t r0 = std::min(mm, t * cw), real = std::min(mm, r0 + cw) - r0;
+              for (int64_t j = real * D; j < cw * D; ++j) ASSERT_EQ(sh[j], 0.0f) << "padding row of tp rank " << t;
+              stock.insert(stock.end(), sh.begin(), sh.begin() + real * D);
+            }
+            EXPECT_TRUE(bit_equal(stock, want)) << "layer " << layers[i] << " replica " << p << ": stock SP MoE";
+            for (int t = 0; t < G; ++t)
+              EXPECT_TRUE(bit_equal(hybrid[i][p * G + t], want))
+                  << "layer " << layers[i] << " replica " << p << " tp rank " << t << ": run_stock_moe";
+            if (mm > 0) {
+              // Not vacuous: the MoE changed the rows.
+              double norm = 0;
+              for (float v : want) norm += std::fabs(v);
+              EXPECT_GT(norm, 0.0);
+            }
+          }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- collective counts
+
+struct Counts {
+  int64_t calls[3][6] = {};
+  int64_t bytes[3][6] = {};
+  void take(const k3::Engine& e) {
+    const k3::CountingComm* g[3] = {&e.tp_comm(), &e.dcp_comm(), &e.world_comm()};
+    for (int i = 0; i < 3; ++i)
+      for (int k = 0; k < 6; ++k) {
+        calls[i][k] = g[i]->calls(static_cast<CollKind>(k));
+        bytes[i][k] = g[i]->bytes(static_cast<CollKind>(k));
+      }
+  }
+};
+enum { kTp = 0, kDcp = 1, kWorld = 2 };
+constexpr int idx(CollKind k) { return static_cast<int>(k); }
+
+TEST(ParallelCounts, CollectivesPerStepFollowTheLayerPlan) {
+  for (const char* variant : kVariants)
+    for (const Layout L : {Layout{1, 1, 1}, Layout{4, 1, 2}, Layout{2, 2, 2}, Layout{4, 2, 4}})
+      for (StepKind step : kSteps) {
+        const std::string what = std::string(variant) + " " + layout_name(L) + " " + k3::step_kind_name(step);
+        SCOPED_TRACE(what);
+        const Model& m = tiny(variant);
+        const k3::ModelConfig& c = m.config;
+        const k3::LayerPlan plan = k3::LayerPlan::from(c);
+        int n_moe = 0, n_full = 0, n_dsa = 0;
+        for (const k3::LayerInfo& li : plan.layers) {
+          n_moe += li.ffn == k3::FfnKind::MoE;
+          n_full += li.attn != k3::AttnKind::KDA;
+          n_dsa += li.attn == k3::AttnKind::DSA;
+        }
+        const int n_layers = c.num_layers;
+        const int G = L.tp, W = L.world(), Dc = L.dcp;
+        const int64_t D = c.hidden_size, V = c.vocab_size, Lat = c.moe.latent_size, k = c.moe.experts_per_token;
+        const int64_t Hl = c.mla.num_heads / G, E = c.mla.cache_dim(), R = c.mla.kv_lora_rank;
+        const int64_t topk = c.is_dsa() ? c.dsa->index_topk : 0;
+
+        // Two requests per replica (prompts of 5 + p and 3), prefilled; then a decode
+        // step (m = 2) and a verify step (q = 3, m = 6), each counted on its own.
+        k3::LocalCluster cluster(m.src, c, engine_opts(step), L);
+        const int kSteps2 = 2;
+        const int64_t rows_of[kSteps2] = {2, 6};
+        std::vector<std::vector<Counts>> got(kSteps2, std::vector<Counts>(W));
+        run_cluster(cluster, [&](int w, k3::Engine& e) {
+          const int p = L.replica(w);
+          k3::Rng rng(9 + p);
+          const int a = e.admit(), b = e.admit();
+          e.prefill(a, random_tokens(rng, 5 + p, c.vocab_size));
+          e.prefill(b, random_tokens(rng, 3, c.vocab_size));
+          const int slots[2] = {a, b};
+          for (int i = 0; i < kSteps2; ++i) {
+            const int q = i == 0 ? 1 : 3;
+            e.reset_counts();
+            e.step(slots, q, random_tokens(rng, 2 * q, c.vocab_size));
+            got[i][w].take(e);
+            e.commit(a, 1);
+            e.commit(b, q);
+          }
+        });
+        for (int i = 0; i < kSteps2; ++i) {
+          const int64_t rows = rows_of[i], cs = k3::sp_shard_rows(rows, G);
+          SCOPED_TRACE("rows " + std::to_string(rows));
+          int64_t a2a_bytes_sum = 0;
+          for (int w = 0; w < W; ++w) {
+            const Counts& n = got[i][w];
+            const auto& tp = n.calls[kTp];
+            const auto& tpb = n.bytes[kTp];
+            if (step == StepKind::Hybrid) {
+              EXPECT_EQ(tp[idx(CollKind::AllReduce)], n_layers);  // one per attention layer
+              EXPECT_EQ(tpb[idx(CollKind::AllReduce)], n_layers * rows * D * 2);
+              EXPECT_EQ(tp[idx(CollKind::AllGather)], n_moe + 1);  // MoE rows back + lm_head
+              EXPECT_EQ(tpb[idx(CollKind::AllGather)], n_moe * cs * D * 2 + rows * (V / G) * 4);
+              EXPECT_EQ(tp[idx(CollKind::ReduceScatter)], 0);
+            } else {
+              EXPECT_EQ(tp[idx(CollKind::AllGather)], n_layers + 2);  // per layer + hidden rows + lm_head
+              EXPECT_EQ(tpb[idx(CollKind::AllGather)], (n_layers + 1) * cs * D * 2 + rows * (V / G) * 4);
+              EXPECT_EQ(tp[idx(CollKind::ReduceScatter)], n_layers);
+              EXPECT_EQ(tpb[idx(CollKind::ReduceScatter)], n_layers * G * cs * D * 2);
+              EXPECT_EQ(tp[idx(CollKind::AllReduce)], 0);
+            }
+            EXPECT_EQ(tp[idx(CollKind::AllToAllV)], 0);
+            EXPECT_EQ(tp[idx(CollKind::Broadcast)] + tp[idx(CollKind::Barrier)], 0);
+
+            const auto& wc = n.calls[kWorld];
+            EXPECT_EQ(wc[idx(CollKind::AllReduce)], W > 1 ? 1 : 0);  // the step's input agreement
+            EXPECT_EQ(n.bytes[kWorld][idx(CollKind::AllReduce)], W > 1 ? 4 : 0);
+            EXPECT_EQ(wc[idx(CollKind::AllToAllV)], 4 * n_moe);  // counts, ids, latent rows, outputs
+            EXPECT_EQ(wc[idx(CollKind::AllGather)] + wc[idx(CollKind::ReduceScatter)], 0);
+            a2a_bytes_sum += n.bytes[kWorld][idx(CollKind::AllToAllV)];
+
+            const auto& dc = n.calls[kDcp];
+            if (Dc > 1) {
+              EXPECT_EQ(dc[idx(CollKind::AllGather)], n_full + 2 * n_dsa);  // queries (+ DSA scores, positions)
+              EXPECT_EQ(n.bytes[kDcp][idx(CollKind::AllGather)],
+                        n_full * rows * Hl * E * 2 + n_dsa * 2 * rows * topk * 4);
+              EXPECT_EQ(dc[idx(CollKind::AllToAllV)], 2 * n_full);  // o, lse
+              EXPECT_EQ(n.bytes[kDcp][idx(CollKind::AllToAllV)], n_full * (Dc * rows * Hl * R * 4 + Dc * rows * Hl * 4));
+            } else {
+              EXPECT_EQ(dc[idx(CollKind::AllGather)] + dc[idx(CollKind::AllToAllV)], 0);
+            }
+            EXPECT_EQ(dc[idx(CollKind::AllReduce)] + dc[idx(CollKind::ReduceScatter)], 0);
+          }
+          // EP bytes over the world, per MoE layer: W counts (I32) from every rank, and
+          // every real row's k choices as an id (I32) + a latent row (BF16) out and the
+          // latent output (BF16) back. Every replica has `rows` rows.
+          const int64_t items = int64_t{L.dp} * rows * k;
+          EXPECT_EQ(a2a_bytes_sum, n_moe * (int64_t{W} * W * 4 + items * (4 + Lat * 2) + items * Lat * 2));
+        }
+      }
+}
+
+// ---------------------------------------------------------------- bad layouts
+
+class CountingSource : public k3::TensorSource {
+ public:
+  explicit CountingSource(std::shared_ptr<const k3::TensorSource> inner) : inner_(std::move(inner)) {}
+  bool has(const std::string& name) const override { return inner_->has(name); }
+  k3::TensorView get(const std::string& name) const override {
+    ++gets_;
+    return inner_->get(name);
+  }
+  std::vector<std::string> names() const override { return inner_->names(); }
+  int64_t gets() const { return gets_; }
+
+ private:
+  std::shared_ptr<const k3::TensorSource> inner_;
+  mutable std::atomic<int64_t> gets_{0};
+};
+
+// The k3::Error message of fn, or "" when it does not throw one.
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const k3::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(ParallelLayout, BadLayoutsAreErrorsBeforeAnyWeightIsRead) {
+  const Model& m = tiny("k3");
+  const k3::EngineOptions o = engine_opts(StepKind::Auto);
+  struct Case {
+    std::string name;
+    k3::ModelConfig config;
+    Layout layout;
+    std::vector<std::string> words;  // the message names these
+  };
+  k3::ModelConfig odd_vocab = m.config;
+  odd_vocab.vocab_size = 250;  // 250 % 4 != 0
+  const std::vector<Case> cases = {
+      {"heads (tp 3 on 8 heads)", m.config, Layout{3, 1, 1}, {"heads", "8", "--tp 3"}},
+      {"experts (world 32 on 16 experts)", m.config, Layout{4, 8, 1}, {"16 experts", "32 ranks"}},
+      {"dcp does not divide tp", m.config, Layout{4, 1, 3}, {"--dcp 3", "--tp 4"}},
+      {"vocabulary (250 on tp 4)", odd_vocab, Layout{4, 1, 1}, {"vocabulary 250", "--tp 4"}},
+      {"tp 0", m.config, Layout{0, 1, 1}, {"--tp 0"}},
+  };
+  for (const Case& cs : cases) {
+    SCOPED_TRACE(cs.name);
+    // Through LocalCluster (the whole layout) and through one rank's Engine.
+    auto src = std::make_shared<CountingSource>(m.src);
+    const std::string msg = error_of([&] { k3::LocalCluster cl(src, cs.config, o, cs.layout); });
+    ASSERT_FALSE(msg.empty()) << "no k3::Error";
+    for (const auto& w : cs.words) EXPECT_NE(msg.find(w), std::string::npos) << "message: " << msg;
+    EXPECT_EQ(src->gets(), 0) << "weights were read before the error: " << msg;
+
+    auto src2 = std::make_shared<CountingSource>(m.src);
+    const std::string msg2 = error_of([&] {
+      // Groups of the right sizes where they can be made (they are not what fails).
+      Layout g = cs.layout;
+      if (g.tp < 1 || g.tp % std::max(1, g.dcp) != 0) g = Layout{};
+      auto groups = k3::make_local_world(g);
+      k3::Engine e(src2, cs.config, o, cs.layout, 0, std::move(groups[0]));
+    });
+    ASSERT_FALSE(msg2.empty()) << "no k3::Error from Engine";
+    for (const auto& w : cs.words) EXPECT_NE(msg2.find(w), std::string::npos) << "message: " << msg2;
+    EXPECT_EQ(src2->gets(), 0) << "weights were read before the error: " << msg2;
+  }
+  {
+    // Groups of the wrong size: layout (2,1,1) with the groups of a single rank.
+    SCOPED_TRACE("groups of the wrong size");
+    auto src = std::make_shared<CountingSource>(m.src);
+    const std::string msg = error_of([&] {
+      auto groups = k3::make_local_world(Layout{1, 1, 1});
+      k3::Engine e(src, m.config, o, Layout{2, 1, 1}, 0, std::move(groups[0]));
+    });
+    ASSERT_FALSE(msg.empty()) << "no k3::Error";
+    EXPECT_NE(msg.find("tp 1"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--tp 2"), std::string::npos) << msg;
+    EXPECT_EQ(src->gets(), 0) << "weights were read before the error: " << msg;
+  }
+  {
+    // A world rank outside the layout.
+    SCOPED_TRACE("rank outside the layout");
+    auto src = std::make_shared<CountingSource>(m.src);
+    const std::string msg = error_of([&] {
+      auto groups = k3::make_local_world(Layout{2, 1, 1});
+      k3::Engine e(src, m.config, o, Layout{2, 1, 1}, 2, std::move(groups[0]));
+    });
+    ASSERT_FALSE(msg.empty()) << "no k3::Error";
+    EXPECT_NE(msg.find("rank 2"), std::string::npos) << msg;
+    EXPECT_EQ(src->gets(), 0) << msg;
+  }
+  {
+    // Control: a good layout does read weights through the wrapper.
+    auto src = std::make_shared<CountingSource>(m.src);
+    k3::LocalCluster ok(src, m.config, o, Layout{2, 1, 1});
+    EXPECT_GT(src->gets(), 0);
+  }
+}
+
+// ---------------------------------------------------------------- aux hidden states
+
+TEST(ParallelAux, AuxStatesAgreeAcrossStepsAndLayouts) {
+  const std::vector<int> aux = {0, 3, 8};
+  for (const char* variant : kVariants) {
+    const Model& m = tiny(variant);
+    const k3::ModelConfig& c = m.config;
+    const int64_t D = c.hidden_size, V = c.vocab_size;
+    const k3::TensorView embed = m.src->get("language_model.model.embed_tokens.weight");
+    const k3::bf16* E = embed.as<k3::bf16>();
+    for (const Layout L : {Layout{1, 1, 1}, Layout{2, 1, 1}, Layout{4, 1, 2}, Layout{2, 2, 2}}) {
+      const Script s = make_script(L.dp, c.vocab_size);
+      std::map<StepKind, std::vector<std::vector<StepRecord>>> runs;
+      for (StepKind step : kSteps) {
+        const std::string what = std::string(variant) + " " + layout_name(L) + " " + k3::step_kind_name(step);
+        SCOPED_TRACE(what);
+        const auto ref = play_reference(m, engine_opts(step, aux), s);
+        runs[step] = play_layout(m, engine_opts(step, aux), L, s);
+        Ratio r;
+        for (int w = 0; w < L.world(); w += L.tp) {  // the first rank of each replica
+          const int p = L.replica(w);
+          const auto& got = runs[step][w];
+          ASSERT_EQ(got.size(), s.ops[p].size());
+          for (size_t j = 0; j < got.size(); ++j) {
+            const Op& op = s.ops[p][j];
+            const int64_t rows = static_cast<int64_t>(op.reqs.size()) * op.q;
+            ASSERT_EQ(got[j].aux.size(), static_cast<size_t>(3 * rows * D)) << "op " << j;
+            // aux[0]: the embeddings of the step's tokens, exactly.
+            for (int64_t row = 0; row < rows; ++row)
+              for (int64_t i = 0; i < D; ++i)
+                ASSERT_EQ(got[j].aux[row * D + i], k3::to_float(E[op.tokens[row] * D + i]))
+                    << "op " << j << " row " << row;
+            // Against the single rank, per hidden row (spread of the reference row).
+            r.add(ref[p][j].aux, got[j].aux, D);
+          }
+        }
+        std::printf("[ parallel ] aux %-4s %-14s %-6s rows %3lld  worst %.3e  mean %.3e\n", variant,
+                    layout_name(L).c_str(), k3::step_kind_name(step), static_cast<long long>(r.rows), r.worst,
+                    r.mean());
+        EXPECT_LE(r.worst, kWorstTol);
+        EXPECT_LT(r.mean(), kMeanTol);
+        (void)V;
+      }
+      // Stock and hybrid: bitwise the same aux states on every rank.
+      for (int w = 0; w < L.world(); ++w)
+        for (size_t j = 0; j < runs[StepKind::Stock][w].size(); ++j)
+          EXPECT_TRUE(bit_equal(runs[StepKind::Stock][w][j].aux, runs[StepKind::Hybrid][w][j].aux))
+              << variant << " " << layout_name(L) << " rank " << w << " op " << j;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- generate over DP replicas
+
+TEST(ParallelGenerate, DpReplicasGiveTheSingleRankResults) {
+  const std::vector<std::vector<int32_t>> prompts = {
+      {5, 17, 200, 3, 99, 41, 7, 250, 12}, {1, 2, 3}, {60, 61, 62, 63, 64, 65}, {128}, {9, 8}};
+  const int max_new = 8;
+  k3::SamplingParams sp;
+  sp.greedy = true;
+  sp.stop_at_eos = false;
+  for (const char* variant : kVariants) {
+    const Model& m = tiny(variant);
+    const int64_t V = m.config.vocab_size;
+    k3::Engine single(m.src, m.config, engine_opts(StepKind::Auto));
+    const std::vector<k3::GenerateResult> want = k3::generate(single, prompts, max_new, sp, true);
+    ASSERT_EQ(want.size(), prompts.size());
+    for (const Layout L : {Layout{1, 2, 1}, Layout{2, 2, 1}, Layout{2, 2, 2}, Layout{1, 4, 1}}) {
+      const std::string what = std::string(variant) + " " + layout_name(L);
+      SCOPED_TRACE(what);
+      k3::LocalCluster cluster(m.src, m.config, engine_opts(StepKind::Auto), L);
+      std::vector<std::vector<k3::GenerateResult>> per_rank(L.world());
+      run_cluster(cluster, [&](int w, k3::Engine& e) { per_rank[w] = k3::generate(e, prompts, max_new, sp, true); });
+      // Every rank assembles every request's tokens.
+      for (int w = 1; w < L.world(); ++w)
+        for (size_t i = 0; i < prompts.size(); ++i)
+          EXPECT_EQ(per_rank[w][i].tokens, per_rank[0][i].tokens) << "rank " << w << " request " << i;
+      const auto& got = per_rank[0];
+      int agree_total = 0, total = 0;
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        ASSERT_EQ(got[i].tokens.size(), static_cast<size_t>(max_new)) << "request " << i;
+        ASSERT_EQ(want[i].tokens.size(), static_cast<size_t>(max_new)) << "request " << i;
+        int agree = 0;
+        while (agree < max_new && got[i].tokens[agree] == want[i].tokens[agree]) ++agree;
+        agree_total += agree;
+        total += max_new;
+        EXPECT_GE(agree, 1) << "request " << i << ": the first generated token differs";
+        if (L.tp == 1) EXPECT_EQ(agree, max_new) << "request " << i << " (tp 1: bitwise the single rank)";
+      }
+      // Request 0's logits (replica 0): the rows whose inputs agree.
+      ASSERT_EQ(got[0].positions, want[0].positions);
+      int agree0 = 0;
+      while (agree0 < max_new && got[0].tokens[agree0] == want[0].tokens[agree0]) ++agree0;
+      const int64_t cmp_rows = static_cast<int64_t>(prompts[0].size()) + std::min(agree0, max_new - 1);
+      const Logits a(want[0].logits.begin(), want[0].logits.begin() + cmp_rows * V);
+      const Logits b(got[0].logits.begin(), got[0].logits.begin() + cmp_rows * V);
+      Ratio r;
+      r.add(a, b, V);
+      std::printf("[ parallel ] generate %-4s %-14s tokens agreeing with the single rank %d / %d; request 0 logits "
+                  "(%lld rows) worst %.3e\n",
+                  variant, layout_name(L).c_str(), agree_total, total, static_cast<long long>(cmp_rows), r.worst);
+      EXPECT_LE(r.worst, kWorstTol);
+      if (L.tp == 1) EXPECT_TRUE(bit_equal(got[0].logits, want[0].logits)) << "tp 1: bitwise the single rank";
+    }
+  }
+}
+
+}  // namespace
