@@ -63,17 +63,28 @@ using k3::StepKind;
 const char* const kVariants[] = {"k3", "k3.1"};
 const StepKind kSteps[] = {StepKind::Stock, StepKind::Hybrid};
 
-// Tolerances, as a fraction of the reference row's spread (max - min) of the
-// logits. Layouts with G > 1 change the summation order of the attention's
-// o_proj (partial sums per head slice, rounded to BF16, then summed) and, with
-// DCP, of the softmax (log-sum-exp merge of position shards); everything else
-// is row-local and bitwise identical. Measured on the tiny presets (8 layers):
-// worst row ~2.4e-2 of the spread (k3.1 tp8/dcp8), means <= 3.5e-3 (see the
-// printed lines and docs/PARALLEL.md). A real bug (wrong head slice, wrong
-// expert, wrong DCP merge) moves the logits by O(1) of the spread (the
-// controls below: >= 0.3 worst, >= 0.1 mean).
-constexpr double kWorstTol = 0.06;  // per row: max |diff| <= 6% of the row's spread
-constexpr double kMeanTol = 0.01;   // mean of the per-row ratios over a whole layout
+// The tolerance rule. Per row of logits: ratio = max |diff| / (max - min of the
+// reference row). Layouts with G > 1 change the summation order of the
+// attention's o_proj (per-head-slice partial sums rounded to BF16, then summed)
+// and, with DCP, of the softmax (log-sum-exp merge of position shards);
+// everything else is row-local and bitwise identical. The typical row then
+// differs by ~0.3% of its spread. But the model makes discrete choices (the
+// router's top-k, DSA's top-k positions): where two candidates are within that
+// noise, a layout picks the other one, and that row (and, through the caches,
+// its request's later rows a little) differs by up to ~15% (measured: router
+// margin 4.5e-4 vs 1.4e-3 for the same row on tp 1 / tp 2, an expert swapped
+// at layer 1). Such rows are a minority, so the rule bounds the median and the
+// 80th percentile tightly and the mean and the worst row loosely.
+// Measured on the tiny presets (every layout of the matrix, printed below):
+//   median <= 0.0037, 80th percentile <= 0.0082, mean <= 0.0141, worst <= 0.146.
+// Bugs (ParallelControl, emulated by wrong weights in the reference): the weakest,
+// one full-attention layer's head halves swapped, gives median >= 0.019 and
+// 80th percentile >= 0.038; shifted experts / another seed: median >= 0.22.
+constexpr double kMedianTol = 0.01;  // median row
+constexpr double kP80Tol = 0.02;     // 80% of the rows
+constexpr double kMeanTol = 0.03;    // mean over all rows (outlier rows included)
+constexpr double kWorstTol = 0.3;    // any row (a flipped discrete choice, not O(1))
+constexpr double kAuxWorstTol = 0.6; // any hidden-state row (aux): a flipped expert moves it more
 
 // ---------------------------------------------------------------- helpers
 
@@ -157,38 +168,64 @@ void run_cluster(k3::LocalCluster& cluster, const std::function<void(int, k3::En
   run_threads(1, [&](int) { cluster.run(fn); });
 }
 
-// Per-row ratio max |got - want| / (max - min of want) over rows of width V.
+// Per-row ratios max |got - want| / (max - min of want) over rows of width V.
 struct Ratio {
-  double worst = 0, sum = 0;
-  int64_t rows = 0;
-  int64_t worst_row = -1;
-  int64_t over[4] = {};  // rows over 1%, 2%, 3%, 5%
-  double mean() const { return rows ? sum / static_cast<double>(rows) : 0.0; }
-  void add(const Logits& want, const Logits& got, int64_t V) {
-    const int64_t n = static_cast<int64_t>(std::min(want.size(), got.size())) / V;
+  std::vector<double> all;  // every row's ratio
+  double worst = 0;
+  std::string worst_where;
+  int64_t rows() const { return static_cast<int64_t>(all.size()); }
+  double mean() const {
+    double s = 0;
+    for (double v : all) s += v;
+    return all.empty() ? 0.0 : s / static_cast<double>(all.size());
+  }
+  double quantile(double f) const {
+    if (all.empty()) return 0;
+    std::vector<double> v = all;
+    std::sort(v.begin(), v.end());
+    return v[static_cast<size_t>(std::ceil(f * static_cast<double>(v.size() - 1)))];
+  }
+  void add(const std::vector<float>& want, const std::vector<float>& got, int64_t V, const std::string& where = "") {
+    const int64_t n = static_cast<int64_t>(want.size()) / V;
     for (int64_t r = 0; r < n; ++r) {
       const float* a = want.data() + r * V;
-      const float* b = got.data() + r * V;
+      const float* b = static_cast<int64_t>(got.size()) >= (r + 1) * V ? got.data() + r * V : nullptr;
       float lo = a[0], hi = a[0];
-      double diff = 0;
-      for (int64_t i = 0; i < V; ++i) {
+      double diff = b ? 0.0 : INFINITY;  // a missing row is as bad as it gets
+      for (int64_t i = 0; i < V && b; ++i) {
         lo = std::min(lo, a[i]);
         hi = std::max(hi, a[i]);
         const double d = std::fabs(static_cast<double>(a[i]) - static_cast<double>(b[i]));
         diff = std::isnan(d) ? INFINITY : std::max(diff, d);
       }
       const double ratio = hi > lo ? diff / (hi - lo) : (diff > 0 ? INFINITY : 0.0);
-      if (ratio > worst || worst_row < 0) {
-        worst = std::max(worst, ratio);
-        worst_row = rows;
+      if (all.empty() || ratio > worst) {
+        worst = ratio;
+        worst_where = where + " row " + std::to_string(r);
       }
-      sum += ratio;
-      ++rows;
-      const double th[4] = {0.01, 0.02, 0.03, 0.05};
-      for (int t = 0; t < 4; ++t) over[t] += ratio > th[t];
+      all.push_back(ratio);
     }
   }
+  // The tolerance rule (above).
+  bool passes() const {
+    return quantile(0.5) <= kMedianTol && quantile(0.8) <= kP80Tol && mean() <= kMeanTol && worst <= kWorstTol;
+  }
+  std::string summary() const {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "rows %3lld  median %.4f  p80 %.4f  mean %.4f  worst %.4f", static_cast<long long>(rows()),
+                  quantile(0.5), quantile(0.8), mean(), worst);
+    return buf;
+  }
 };
+
+// Each criterion of the rule as its own expectation (clear failure messages).
+void expect_within_tolerance(const Ratio& r, const std::string& what, double worst_tol = kWorstTol) {
+  EXPECT_GT(r.rows(), 0) << what;
+  EXPECT_LE(r.quantile(0.5), kMedianTol) << what << ": median row ratio";
+  EXPECT_LE(r.quantile(0.8), kP80Tol) << what << ": 80th percentile row ratio";
+  EXPECT_LE(r.mean(), kMeanTol) << what << ": mean row ratio";
+  EXPECT_LE(r.worst, worst_tol) << what << ": worst row (" << r.worst_where << ")";
+}
 
 bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
@@ -350,7 +387,7 @@ Ratio compare_layout(const std::vector<std::vector<StepRecord>>& per_rank,
     }
     for (size_t j = 0; j < std::min(got.size(), ref[p].size()); ++j) {
       EXPECT_EQ(got[j].logits.size(), ref[p][j].logits.size()) << what << ": replica " << p << " op " << j;
-      ratio.add(ref[p][j].logits, got[j].logits, V);
+      ratio.add(ref[p][j].logits, got[j].logits, V, "replica " + std::to_string(p) + " op " + std::to_string(j));
     }
   }
   return ratio;
@@ -392,12 +429,9 @@ TEST_P(ParallelEquivalence, MatchesSingleRank) {
       for (const auto& rank : per_rank)
         for (const auto& rec : rank) EXPECT_EQ(rec.kind, step);
       const Ratio r = compare_layout(per_rank, ref, L, V, what);
-      EXPECT_GT(r.rows, 0);
-      std::printf("[ parallel ] %-16s %-4s %-6s rows %3lld  worst |diff|/spread %.3e  mean %.3e over1/2/3/5%% %lld %lld %lld %lld\n",
-                  layout_name(L).c_str(), variant, k3::step_kind_name(step), static_cast<long long>(r.rows), r.worst,
-                  r.mean(), (long long)r.over[0], (long long)r.over[1], (long long)r.over[2], (long long)r.over[3]);
-      EXPECT_LE(r.worst, kWorstTol) << what << ": worst row " << r.worst_row;
-      EXPECT_LT(r.mean(), kMeanTol) << what;
+      std::printf("[ parallel ] %-14s %-4s %-6s %s\n", layout_name(L).c_str(), variant, k3::step_kind_name(step),
+                  r.summary().c_str());
+      expect_within_tolerance(r, what);
       if (L.tp == 1) {
         // One rank holds every head: the same sums in the same order as the
         // single rank (EP moves BF16 losslessly), so bitwise identical.
@@ -430,43 +464,115 @@ INSTANTIATE_TEST_SUITE_P(ParallelLayouts, ParallelEquivalence,
 
 // ---------------------------------------------------------------- negative controls
 
-// A copy of the tiny model with expert `x` of MoE layer `layer` negated (the
-// sign bit of every E2M1 value of its down projection w2 flipped).
-std::shared_ptr<const k3::TensorSource> perturbed_expert(const std::string& variant, int layer, int x) {
-  const k3::ModelConfig c = k3::preset_config("tiny", variant);
+// A copy of the tiny model (seed 0) changed by `mutate`: what a rank computing with
+// the wrong shard of the weights would compute.
+std::shared_ptr<const k3::TensorSource> mutated(const k3::ModelConfig& c,
+                                                const std::function<void(k3::MemoryCheckpoint&)>& mutate) {
   std::unique_ptr<k3::MemoryCheckpoint> ck = k3::make_synthetic(c, 0);
-  const std::string name = "language_model.model.layers." + std::to_string(layer) + ".block_sparse_moe.experts." +
-                           std::to_string(x) + ".w2.weight_packed";
-  k3::Tensor& t = ck->mutable_tensor(name);
-  auto* p = static_cast<uint8_t*>(t.data());
-  for (size_t i = 0; i < t.nbytes(); ++i) p[i] ^= 0x88;
+  mutate(*ck);
   return std::shared_ptr<const k3::TensorSource>(std::move(ck));
 }
 
-TEST(ParallelControl, CheckFailsAgainstAPerturbedExpertOrAnotherSeed) {
+std::string layer_name(int l, const std::string& rest) {
+  return "language_model.model.layers." + std::to_string(l) + "." + rest;
+}
+
+// Expert x of layer l negated (the sign bit of every E2M1 value of its w2 flipped).
+void negate_expert(k3::MemoryCheckpoint& ck, int l, int x) {
+  k3::Tensor& t = ck.mutable_tensor(layer_name(l, "block_sparse_moe.experts." + std::to_string(x) + ".w2.weight_packed"));
+  auto* p = static_cast<uint8_t*>(t.data());
+  for (size_t i = 0; i < t.nbytes(); ++i) p[i] ^= 0x88;
+}
+
+// Every MoE layer's experts shifted by one (expert e computes with e + 1's weights):
+// an off-by-one in expert ownership / dispatch.
+void shift_experts(k3::MemoryCheckpoint& ck, const k3::ModelConfig& c) {
+  const k3::LayerPlan plan = k3::LayerPlan::from(c);
+  const int E = c.moe.num_experts;
+  for (int l = 0; l < c.num_layers; ++l) {
+    if (plan.layers[l].ffn != k3::FfnKind::MoE) continue;
+    for (const char* part : {"w1.weight_packed", "w1.weight_scale", "w3.weight_packed", "w3.weight_scale",
+                             "w2.weight_packed", "w2.weight_scale"}) {
+      std::vector<std::vector<uint8_t>> bytes(E);
+      auto name = [&](int x) { return layer_name(l, "block_sparse_moe.experts." + std::to_string(x) + "." + part); };
+      for (int x = 0; x < E; ++x) {
+        const k3::Tensor& t = ck.mutable_tensor(name(x));
+        const auto* p = static_cast<const uint8_t*>(t.data());
+        bytes[x].assign(p, p + t.nbytes());
+      }
+      for (int x = 0; x < E; ++x) {
+        k3::Tensor& t = ck.mutable_tensor(name(x));
+        std::memcpy(t.data(), bytes[(x + 1) % E].data(), t.nbytes());
+      }
+    }
+  }
+}
+
+// Layer l's o_proj with the column blocks of its two head halves swapped: the
+// output projection of a TP-2 rank applied to the other rank's heads.
+void swap_head_halves(k3::MemoryCheckpoint& ck, int l) {
+  k3::Tensor& t = ck.mutable_tensor(layer_name(l, "self_attn.o_proj.weight"));
+  const int64_t rows = t.shape()[0], cols = t.shape()[1], half = cols / 2;
+  auto* p = static_cast<k3::bf16*>(t.data());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < half; ++j) std::swap(p[r * cols + j], p[r * cols + half + j]);
+}
+
+// The tolerance rule of the equivalence matrix reports bugs: a layout's logits
+// against references whose weights differ the way a bug would make a rank
+// compute (wrong head slice, wrong expert ownership, another model). One
+// expert of one layer negated is NOT caught end to end (routing flips look the
+// same: it moves ~10% of the rows); ParallelMoe's bitwise check catches it.
+TEST(ParallelControl, ToleranceRuleCatchesWrongWeights) {
   const Layout L{2, 2, 2};
   for (const char* variant : kVariants) {
     const Model& m = tiny(variant);
-    const int64_t V = m.config.vocab_size;
-    const Script s = make_script(L.dp, m.config.vocab_size);
+    const k3::ModelConfig& c = m.config;
+    const int64_t V = c.vocab_size;
+    const Script s = make_script(L.dp, c.vocab_size);
     const auto per_rank = play_layout(m, engine_opts(StepKind::Hybrid), L, s);
-    // Sanity: against the right model it passes.
+    // Against the right model it passes.
     const Ratio good = compare_layout(per_rank, reference(variant, L.dp, StepKind::Hybrid), L, V, "control");
-    EXPECT_LE(good.worst, kWorstTol);
+    std::printf("[ parallel ] control %-4s %-44s %s\n", variant, "right weights", good.summary().c_str());
+    EXPECT_TRUE(good.passes()) << good.summary();
 
-    const Model bad_expert{m.config, perturbed_expert(variant, 4, 5)};
-    const Ratio r1 =
-        compare_layout(per_rank, play_reference(bad_expert, engine_opts(StepKind::Hybrid), s), L, V, "control");
-    const Ratio r2 = compare_layout(per_rank, play_reference(tiny(variant, 1), engine_opts(StepKind::Hybrid), s), L, V,
-                                    "control");
-    std::printf("[ parallel ] control %-4s: expert 5 of layer 4 negated: worst %.3f mean %.3f; seed 1: worst %.3f "
-                "mean %.3f (tolerance %.3f / mean %.3f)\n",
-                variant, r1.worst, r1.mean(), r2.worst, r2.mean(), kWorstTol, kMeanTol);
-    std::printf("over %lld %lld %lld %lld of %lld\n", (long long)r1.over[0], (long long)r1.over[1], (long long)r1.over[2], (long long)r1.over[3], (long long)r1.rows);
-    EXPECT_GT(r1.worst, 5 * kWorstTol) << variant << ": a negated expert must fail the check by far";
-    EXPECT_GT(r1.mean(), kMeanTol) << variant;
-    EXPECT_GT(r2.worst, 5 * kWorstTol) << variant << ": another model must fail the check by far";
-    EXPECT_GT(r2.mean(), 5 * kMeanTol) << variant;
+    const k3::LayerPlan plan = k3::LayerPlan::from(c);
+    int full = -1;  // the last full-attention layer (MLA / DSA)
+    for (int l = 0; l < c.num_layers; ++l)
+      if (plan.layers[l].attn != k3::AttnKind::KDA) full = l;
+    ASSERT_GE(full, 0);
+    auto with = [&](const std::function<void(k3::MemoryCheckpoint&)>& f) { return Model{c, mutated(c, f)}; };
+    struct Bad {
+      std::string name;
+      Model model;
+    };
+    const std::vector<Bad> bads = {
+        {"another seed", tiny(variant, 1)},
+        {"experts shifted by one (every MoE layer)", with([&](k3::MemoryCheckpoint& ck) { shift_experts(ck, c); })},
+        {"layer 0 (KDA) o_proj head halves swapped", with([&](k3::MemoryCheckpoint& ck) { swap_head_halves(ck, 0); })},
+        {"layer " + std::to_string(full) + " (full attn) o_proj head halves swapped",
+         with([&](k3::MemoryCheckpoint& ck) { swap_head_halves(ck, full); })},
+        {"expert 5 negated in every MoE layer", with([&](k3::MemoryCheckpoint& ck) {
+           for (int l = 0; l < c.num_layers; ++l)
+             if (plan.layers[l].ffn == k3::FfnKind::MoE) negate_expert(ck, l, 5);
+         })},
+    };
+    for (const Bad& bad : bads) {
+      const Ratio r =
+          compare_layout(per_rank, play_reference(bad.model, engine_opts(StepKind::Hybrid), s), L, V, "control");
+      std::printf("[ parallel ] control %-4s %-44s %s\n", variant, bad.name.c_str(), r.summary().c_str());
+      EXPECT_FALSE(r.passes()) << variant << " " << bad.name << ": the rule must report it (" << r.summary() << ")";
+      EXPECT_GT(r.quantile(0.5), 1.5 * kMedianTol) << variant << " " << bad.name << ": not by a margin";
+    }
+    {
+      const Ratio r = compare_layout(
+          per_rank,
+          play_reference(with([&](k3::MemoryCheckpoint& ck) { negate_expert(ck, 4, 5); }), engine_opts(StepKind::Hybrid),
+                         s),
+          L, V, "control");
+      std::printf("[ parallel ] control %-4s %-44s %s (not caught end to end)\n", variant,
+                  "expert 5 of layer 4 negated", r.summary().c_str());
+    }
   }
 }
 
@@ -568,6 +674,30 @@ TEST(ParallelMoe, StockAndHybridPathsAreBitwiseTheSingleRankMoe) {
       }
     }
   }
+}
+
+// The bitwise MoE check is sensitive to one expert of one layer (which the
+// end-to-end tolerance rule is not, see ParallelControl): the rows routed to a
+// negated expert change, the others stay bitwise the same.
+TEST(ParallelMoe, BitwiseCheckCatchesOneNegatedExpert) {
+  const Model& m = tiny("k3");
+  const k3::ModelConfig& c = m.config;
+  const int64_t D = c.hidden_size, rows = 32;
+  const int layer = 4, expert = 5;
+  const auto bad_src = mutated(c, [&](k3::MemoryCheckpoint& ck) { negate_expert(ck, layer, expert); });
+  const k3::ModelWeights good = k3::load_weights(c, *m.src), bad = k3::load_weights(c, *bad_src);
+  auto solo = k3::make_local_world(Layout{});
+  const std::vector<float> x = random_rows(7, rows, D);
+  std::vector<float> a(x.size()), b(x.size());
+  k3::moe_ffn(c, good.layers[layer].moe, x.data(), rows, rows, *solo[0].world, a.data());
+  k3::moe_ffn(c, bad.layers[layer].moe, x.data(), rows, rows, *solo[0].world, b.data());
+  int changed = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    changed += std::memcmp(&a[r * D], &b[r * D], static_cast<size_t>(D) * sizeof(float)) != 0;
+  std::printf("[ parallel ] moe control: expert %d of layer %d negated changes %d of %lld rows\n", expert, layer,
+              changed, static_cast<long long>(rows));
+  EXPECT_GT(changed, 0);
+  EXPECT_LT(changed, rows);  // only the rows routed to it
 }
 
 // ---------------------------------------------------------------- collective counts
@@ -815,14 +945,14 @@ TEST(ParallelAux, AuxStatesAgreeAcrossStepsAndLayouts) {
                 ASSERT_EQ(got[j].aux[row * D + i], k3::to_float(E[op.tokens[row] * D + i]))
                     << "op " << j << " row " << row;
             // Against the single rank, per hidden row (spread of the reference row).
-            r.add(ref[p][j].aux, got[j].aux, D);
+            r.add(ref[p][j].aux, got[j].aux, D, "replica " + std::to_string(p) + " op " + std::to_string(j));
           }
         }
-        std::printf("[ parallel ] aux %-4s %-14s %-6s rows %3lld  worst %.3e  mean %.3e\n", variant,
-                    layout_name(L).c_str(), k3::step_kind_name(step), static_cast<long long>(r.rows), r.worst,
-                    r.mean());
-        EXPECT_LE(r.worst, kWorstTol);
-        EXPECT_LT(r.mean(), kMeanTol);
+        std::printf("[ parallel ] aux %-4s %-14s %-6s %s\n", variant, layout_name(L).c_str(),
+                    k3::step_kind_name(step), r.summary().c_str());
+        // A flipped expert moves a hidden row more, relative to its spread, than it
+        // moves the logits (measured up to 0.37): a looser bound on the worst row.
+        expect_within_tolerance(r, what, kAuxWorstTol);
         (void)V;
       }
       // Stock and hybrid: bitwise the same aux states on every rank.
@@ -879,11 +1009,10 @@ TEST(ParallelGenerate, DpReplicasGiveTheSingleRankResults) {
       const Logits a(want[0].logits.begin(), want[0].logits.begin() + cmp_rows * V);
       const Logits b(got[0].logits.begin(), got[0].logits.begin() + cmp_rows * V);
       Ratio r;
-      r.add(a, b, V);
-      std::printf("[ parallel ] generate %-4s %-14s tokens agreeing with the single rank %d / %d; request 0 logits "
-                  "(%lld rows) worst %.3e\n",
-                  variant, layout_name(L).c_str(), agree_total, total, static_cast<long long>(cmp_rows), r.worst);
-      EXPECT_LE(r.worst, kWorstTol);
+      r.add(a, b, V, "request 0");
+      std::printf("[ parallel ] generate %-4s %-14s tokens agreeing with the single rank %d / %d; request 0 logits: %s\n",
+                  variant, layout_name(L).c_str(), agree_total, total, r.summary().c_str());
+      expect_within_tolerance(r, what + " request 0 logits");
       if (L.tp == 1) EXPECT_TRUE(bit_equal(got[0].logits, want[0].logits)) << "tp 1: bitwise the single rank";
     }
   }

@@ -12,9 +12,20 @@
 // The engine (BF16 activations, FP32 accumulation) is then held to it: per
 // position, max |diff| / (logit spread) small at nearly every position.
 //
+// Every run prints the agreement (median / p95 / max per seed), the positions
+// beyond 5% with the router near-ties of their row, and how many router / DSA
+// choices a BF16 rounding of their inputs would flip. TinyPresetSensitivity
+// prints how much the logits move under perturbations of the model (MLA
+// softmax temperature, flat softmax, no context, KDA without memory): what
+// the comparison can and cannot see with the preset's conditioning.
+//
 // Debug: K3_REF_DEBUG=1 additionally compares the engine with the reference
 // on the model truncated to its first L' layers (L' = 1..L, same weights) and
-// prints the agreement per L', to find the first layer where they split.
+// prints the agreement per L' (to find the first layer where they split), the
+// router margins of each outlier position, and the agreement there when the
+// reference takes the runner-up expert at a near-tied layer (if it drops to
+// the noise level, the engine routed to the runner-up). K3_REF_DSA_BF16=1
+// makes the reference select DSA tokens from BF16-rounded indexer q / k.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -752,20 +763,26 @@ TEST(ReferenceForward, TinyPresetSensitivity) {
     struct P {
       const char* name;
       std::function<void(RefModel&)> set;
+      double must_see;  // the median effect the preset must give (0: reported only)
     };
     const std::vector<P> ps = {
+        // With the preset as drawn, MLA's softmax is nearly flat: these two are at or below the engine's noise.
+        // TODO(conditioning): require ~1% once src/io/synthetic.cpp sharpens the MLA scores.
         {"MLA softmax temperature x1.22 (scale (dn)^-0.5 instead of (dn+P)^-0.5)",
-         [](RefModel& r) { r.perturb.mla_temperature = std::sqrt(24.0 / 16.0); }},
-        {"MLA softmax flat (scores ignored)", [](RefModel& r) { r.perturb.mla_temperature = 0; }},
-        {"MLA attends only to its own token", [](RefModel& r) { r.perturb.mla_self_only = true; }},
-        {"KDA without memory (state reset every token)", [](RefModel& r) { r.perturb.kda_no_memory = true; }},
+         [](RefModel& r) { r.perturb.mla_temperature = std::sqrt(24.0 / 16.0); }, 0},
+        {"MLA softmax flat (scores ignored)", [](RefModel& r) { r.perturb.mla_temperature = 0; }, 0},
+        {"MLA attends only to its own token", [](RefModel& r) { r.perturb.mla_self_only = true; }, 0.01},
+        {"KDA without memory (state reset every token)", [](RefModel& r) { r.perturb.kda_no_memory = true; }, 0.01},
     };
     for (const P& p : ps) {
       RefModel r(c, *src);
       p.set(r);
       const Agreement a = compare(want, as_float(r.forward(tokens)), c.vocab_size);
-      std::printf("[ sensitivity ] tiny %s: %-72s median %.4f  p95 %.4f  max %.4f\n", variant, p.name,
-                  a.quantile(0.5), a.quantile(0.95), a.quantile(1.0));
+      std::printf("[ sensitivity ] tiny %s: %-72s median %.4f  p95 %.4f  max %.4f%s\n", variant, p.name,
+                  a.quantile(0.5), a.quantile(0.95), a.quantile(1.0),
+                  a.quantile(0.5) < 0.01 ? "  (weak: near the engine's BF16 noise)" : "");
+      // ~4x the engine's median BF16 noise: the float64 comparison can see this part of the model.
+      if (p.must_see > 0) EXPECT_GE(a.quantile(0.5), p.must_see) << variant << ": " << p.name;
     }
   }
 }

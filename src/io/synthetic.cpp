@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <nlohmann/json.hpp>
 
 #include "config/schema.h"
@@ -108,9 +109,9 @@ Draw draw_for(const ModelConfig& c, const TensorSpec& s) {
   if (ends_with(n, "norm.weight") || has(n, "layernorm.weight")) return {0.5, 0.1};
   if (has(n, "conv1d")) return {0, 0.8};
   if (ends_with(n, "A_log")) return {0, std::log(2.0)};  // exp(A_log) in [0.5, 2]
-  if (ends_with(n, "dt_bias")) return {0, 1.0};
+  if (ends_with(n, "dt_bias")) return {-3.0, 1.0};  // exp(g) around 0.7: a KDA memory of several tokens
   if (ends_with(n, "e_score_correction_bias")) return {0, 0.3};
-  if (ends_with(n, "gate.weight")) return {0, 4 * unit};  // router: wide logits
+  if (ends_with(n, "gate.weight")) return {0, 16 * unit};  // router: saturated scores, see make_synthetic
   if (has(n, "routed_expert_down_proj")) return {0, unit};
   if (has(n, "o_proj") || has(n, "down_proj") || has(n, "routed_expert_up_proj")) return {0, 0.25 * unit};
   return {0, unit};
@@ -181,7 +182,19 @@ std::unique_ptr<MemoryCheckpoint> make_synthetic(const ModelConfig& c, uint64_t 
     }
     TensorSpec stored = s;
     if (s.min_numel) stored.shape = {a_log_stored_len(c)};
-    out->add(kTextPrefix + s.name, float_tensor(stored, draw_for(c, s), rng));
+    Tensor t = float_tensor(stored, draw_for(c, s), rng);
+    if (ends_with(s.name, "e_score_correction_bias")) {
+      // Evenly spaced, permuted per layer: with wide router logits most sigmoid
+      // scores sit near 0 or 1, and the bias orders the near-1 experts with
+      // margins far above rounding noise.
+      const int64_t E = s.shape[0];
+      uint64_t stride = 1 + rng.below(static_cast<uint64_t>(E));
+      while (std::gcd(stride, static_cast<uint64_t>(E)) != 1) ++stride;  // e -> e * stride mod E permutes
+      float* b = t.as<float>();
+      for (int64_t e = 0; e < E; ++e)
+        b[e] = static_cast<float>(-0.3 + 0.6 * static_cast<double>((static_cast<uint64_t>(e) * stride) % E) / (E - 1));
+    }
+    out->add(kTextPrefix + s.name, std::move(t));
   }
   return out;
 }

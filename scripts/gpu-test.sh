@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in one call: every CUDA op against its CPU
+# reference, the tiny models on the GPU against the CPU engine (eager and
+# graphed), compute-sanitizer memcheck over the tiny-model run, and (with
+# --bench) the rank-slice benchmark of both variants. Logs go to $OUT (or
+# out/gpu). Uses the binaries in $K3_BIN when given (carried from another
+# machine, with the shared libraries they need beside them), else builds
+# (cmake -G Ninja, all cores).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-out/gpu}"
+mkdir -p "$out"
+bin="${K3_BIN:-}"
+if [ -z "$bin" ]; then
+  bin=build-gpu
+  cmake -S . -B "$bin" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null && cmake --build "$bin" -j "$(nproc)" || exit 1
+fi
+export LD_LIBRARY_PATH="$bin:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader | tee "$out/machine.txt"
+status=0
+"$bin/k3_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |\[ gpu \]|tests ran" || true
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if command -v compute-sanitizer >/dev/null; then
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" --gtest_filter='GpuRank*' \
+    >"$out/memcheck.log" 2>&1 || status=1
+  tail -3 "$out/memcheck.log"
+fi
+if [ "${1:-}" = "--bench" ]; then
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  for v in k3 k3.1; do
+    "$bin/k3decode" bench --preset k3-rank-slice --variant "$v" --tp 8 --dp 4 --rank 0 --context 8192 \
+      --batches 1 8 32 64 --q 1 4 --iters 50 --commit "$commit" --json "$out/rank_slice_$v.json" \
+      2>&1 | tee "$out/bench_$v.log" || status=1
+  done
+fi
+exit $status
