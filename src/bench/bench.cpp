@@ -57,8 +57,8 @@ double step_bytes(const ModelConfig& c, const ShardSpec& sh, int B, int q, int64
   const auto& e = c.moe;
   const double L = e.latent_size, I = e.intermediate_size, S = e.shared_intermediate(), k = e.experts_per_token;
   const double local_experts = double(e.num_experts) / sh.world_size;
-  const double shard_rows = std::ceil(m / G);
-  const double touched = std::min(local_experts, shard_rows * k);
+  // Pairs this rank's experts receive (gpu_rank.h): ceil(m k / G) for a rank slice.
+  const double touched = std::min(local_experts, std::ceil(m * k / G));
   const double expert = 3 * (I * L / 2 + I * L / 32);
   const double ctx = double(context) + q;
   for (int l = 0; l < c.num_layers; ++l) {
@@ -180,6 +180,19 @@ int run_bench(const BenchArgs& args) {
         const double mn = *std::min_element(us.begin(), us.end()), mx = *std::max_element(us.begin(), us.end());
         fmt::print("{:>7} {:>5} {:>3} {:>7} {:>7} {:>11.1f} {:>11.1f} {:>11.1f} {:>10.1f} {:>11.1f} {:>7.2f}\n", st, B, q,
                    B * q, args.context, med, mn, mx, bytes / 1e6, floor_us, med / floor_us);
+        nlohmann::json breakdown = nlohmann::json::object();
+        if (args.profile) {
+          std::vector<std::pair<std::string, double>> prof;
+          for (int i = 0; i < 3; ++i) prof = rank.profile(kind);  // the last of three eager runs
+          double total = 0;
+          for (auto& [name, ms] : prof) total += ms;
+          std::string line = "         ";
+          for (auto& [name, ms] : prof) {
+            line += fmt::format(" {} {:.0f}us ({:.0f}%)", name, ms * 1e3, 100 * ms / total);
+            breakdown[name] = ms * 1e3;
+          }
+          fmt::print("{}  [eager total {:.0f}us]\n", line, total * 1e3);
+        }
         std::fflush(stdout);
         records.push_back({{"preset", slice ? "k3-rank-slice" : args.preset},
                            {"variant", args.variant},
@@ -196,6 +209,7 @@ int run_bench(const BenchArgs& args) {
                            {"ratio", med / floor_us},
                            {"hbm_gbps", bw / 1e9},
                            {"iters", args.iters},
+                           {"profile_us", breakdown},
                            {"commit", args.commit}});
       }
   }

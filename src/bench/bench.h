@@ -27,6 +27,7 @@ struct BenchArgs {
   int warmup = 5;
   int iters = 50;
   uint64_t seed = 1;
+  bool profile = false;           // per-op-group breakdown of each point (eager, CUDA events)
   std::string json;               // write the records here
   std::string commit;             // recorded in the JSON
 };

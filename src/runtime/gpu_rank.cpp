@@ -242,7 +242,7 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
                align256(R * topk * 4) + align256(R * 4);
   size_t moe = align256(R * Ex * 4) + align256(R * k * 4) * 2 + align256(R * Lt * 2) * 2 + align256(R * D * 2) * 2 +
                align256(2 * R * Sh * 2) + align256(cu::moe_experts_scratch_bytes(R, static_cast<int>(k), Lt, I)) +
-               align256(R * k * Lt * 2);
+               2 * align256(R * k * Lt * 2);
   size_t dense = align256(2 * R * Idn * 2);
   size_t step = align256(R * D * 2) * 3 + align256(R * V * 4);  // gathers and the lm_head slice
   work_bytes_ = std::max({kda, mla, moe, dense}) + step;
@@ -256,6 +256,7 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
 }
 
 GpuRank::~GpuRank() {
+  for (auto& e : events_) cudaEventDestroy(e);
   for (auto& g : graphs_) cudaGraphExecDestroy(g.exec);
   if (pinned_) cudaFreeHost(pinned_);
 }
@@ -388,7 +389,9 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
     float* beta = scratch_f32(at, rows * H);
     float* o = scratch_f32(at, rows * C);
     bf16* normed = scratch_bf16(at, rows * C);
+    mark("kda.in_proj");
     K3_LAUNCH(cu::linear(ctx_, x, w.in_proj, proj, false, rows, D, P));
+    mark("kda.conv_gate");
     const float* cw[3] = {w.q_conv, w.k_conv, w.v_conv};
     for (int j = 0; j < 3; ++j)
       K3_LAUNCH(cu::short_conv_silu(proj + j * C, P, cw[j], conv_[3 * i + j].get<float>(),
@@ -400,8 +403,10 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
     K3_LAUNCH(cu::linear(ctx_, fa, w.f_b, u, false, rows, d, C));
     K3_LAUNCH(cu::kda_gate(u, w.A_log, w.dt_bias, c_.kda.gate_lower_bound, g, rows, H, d, s));
     K3_LAUNCH(cu::kda_beta(proj + 4 * C + d, P, beta, rows, H, s));
+    mark("kda.recurrence");
     K3_LAUNCH(cu::kda_recurrence(qn, kn, y[2], g, beta, state_[i].get<float>(), state_hist_[i].get<float>(),
                                  d_slots_.get<int32_t>(), o, B_, q_, o_.max_q, H, d, d, s));
+    mark("kda.norm_o_proj");
     K3_LAUNCH(cu::kda_gated_norm(o, proj + 3 * C, P, w.o_norm, eps, normed, rows, H, d, s));
     K3_LAUNCH(cu::linear(ctx_, normed, w.o_proj, out, false, rows, C, D));
     return;
@@ -420,6 +425,7 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
   bf16* olat_bf = scratch_bf16(at, rows * H * R);
   bf16* o = scratch_bf16(at, rows * H * dv);
   bf16* gate = scratch_bf16(at, rows * H * dv);
+  mark("mla.proj");
   K3_LAUNCH(cu::linear(ctx_, x, w.q_a, cq, false, rows, D, Q));
   K3_LAUNCH(cu::rmsnorm(cq, w.q_a_norm, cq, rows, Q, eps, s));
   K3_LAUNCH(cu::linear(ctx_, cq, w.q_b, qf, false, rows, Q, int64_t{H} * (dn + P)));
@@ -428,6 +434,7 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
                             max_pages_, o_.page_size, 1, 0, kv_[i].get<bf16>(), s));
   K3_LAUNCH(cu::mla_absorb_q(qf, w.kv_b, qlat, rows, H, dn, P, dv, R, s));
   const float scale = 1.0f / std::sqrt(static_cast<float>(dn + P));
+  mark(w.has_indexer ? "dsa.indexer_attend" : "mla.attend");
   if (!w.has_indexer) {
     K3_LAUNCH(cu::mla_attend_paged(qlat, kv_[i].get<bf16>(), d_tables_.get<int32_t>(), max_pages_, o_.page_size,
                                    d_ctx_.get<int32_t>(), B_, q_, static_cast<int>(max_ctx_), H, R, P, scale, olat,
@@ -455,6 +462,7 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
                                      cnt, topk, B_, q_, H, R, P, scale, olat, lse, attn_scratch_.get(),
                                      attn_scratch_bytes_, s));
   }
+  mark("mla.out");
   K3_LAUNCH(cu::to_bf16(olat, olat_bf, rows * H * R, s));
   K3_LAUNCH(cu::mla_unabsorb(olat_bf, w.kv_b, o, rows, H, dn, dv, R, s));
   K3_LAUNCH(cu::linear(ctx_, x, w.g_proj, gate, false, rows, D, int64_t{H} * dv));
@@ -483,26 +491,38 @@ void GpuRank::moe(int l, const bf16* x, int64_t rows, bf16* out) {
   bf16* mlp_scratch = scratch_bf16(at, 2 * rows * S);
   const size_t moe_bytes = cu::moe_experts_scratch_bytes(rows, k, L, I);
   void* moe_scratch = scratch_bf16(at, static_cast<int64_t>(moe_bytes / 2 + 1));
-  bf16* exchange = scratch_bf16(at, rows * k * L);
+  bf16* exchange = scratch_bf16(at, 2 * rows * k * L);  // sent rows, then received outputs
+  mark("moe.router_down");
   K3_LAUNCH(cu::linear(ctx_, x, w.gate, logits, true, rows, D, E));
   K3_LAUNCH(cu::route(logits, w.gate_bias, rows, static_cast<int>(E), k, e.renormalize, e.routed_scaling_factor, idx,
                       wts, s));
   K3_LAUNCH(cu::linear(ctx_, x, w.down, z, false, rows, D, L));
   const int count = static_cast<int>(w.experts.size());
-  if (o_.loopback) {
-    // Every pair to a local expert (the spread an EP exchange delivers); the
-    // dispatch and the combine move each pair's latent row once each way.
-    K3_LAUNCH(cu::remap_experts(idx, rows * k, w.expert_begin, count, s));
-    for (int j = 0; j < k; ++j)
-      CUDA_CHECK(cudaMemcpyAsync(exchange + j * rows * L, z, rows * L * 2, cudaMemcpyDeviceToDevice, s));
+  mark("moe.experts");
+  if (!o_.loopback) {
+    K3_LAUNCH(cu::moe_experts(ctx_, z, idx, wts, weights_.tables[l], w.expert_begin, count, y, moe_scratch, rows, k,
+                              L, I, situ));
+  } else {
+    // EP over W ranks: this rank sends its rows * k pairs out and receives, on
+    // average, the pairs of the world's real rows that chose its experts:
+    // recv = ceil(m DP k / W) = ceil(m k / G). The loopback computes exactly that
+    // many pairs on its local experts (router choices folded into the local
+    // range) and moves the latent rows of the dispatch and the combine.
+    const int64_t m = int64_t{B_} * q_, recv = std::min<int64_t>(rows * k, (m * k + G_ - 1) / G_);
+    CUDA_CHECK(cudaMemcpyAsync(exchange, z, rows * L * 2, cudaMemcpyDeviceToDevice, s));  // dispatch (send side)
+    for (int64_t r = rows; r < rows * k; r += rows)
+      CUDA_CHECK(cudaMemcpyAsync(exchange + r * L, z, std::min(rows, rows * k - r) * L * 2, cudaMemcpyDeviceToDevice,
+                                 s));
+    K3_LAUNCH(cu::remap_experts(idx, recv, w.expert_begin, count, s));
+    bf16* got = exchange + rows * k * L;  // the received pairs' outputs
+    K3_LAUNCH(cu::moe_experts(ctx_, exchange, idx, wts, weights_.tables[l], w.expert_begin, count, got, moe_scratch,
+                              recv, 1, L, I, situ));
+    CUDA_CHECK(cudaMemcpyAsync(y, got, rows * L * 2, cudaMemcpyDeviceToDevice, s));  // combine (return side)
   }
-  K3_LAUNCH(cu::moe_experts(ctx_, z, idx, wts, weights_.tables[l], w.expert_begin, count, y, moe_scratch, rows, k, L,
-                            I, situ));
-  if (o_.loopback)
-    for (int j = 0; j < k; ++j)
-      CUDA_CHECK(cudaMemcpyAsync(exchange + j * rows * L, y, rows * L * 2, cudaMemcpyDeviceToDevice, s));
+  mark("moe.norm_up");
   K3_LAUNCH(cu::rmsnorm(y, w.norm, y, rows, L, c_.rms_norm_eps, s));
   K3_LAUNCH(cu::linear(ctx_, y, w.up, up, false, rows, L, D));
+  mark("moe.shared");
   K3_LAUNCH(cu::mlp(ctx_, x, w.shared_gate, w.shared_up, w.shared_down, shared, rows, D, S, situ, mlp_scratch));
   K3_LAUNCH(cu::add(up, shared, out, rows * D, s));
 }
@@ -561,13 +581,16 @@ void GpuRank::enqueue(StepKind kind) {
     pre.out = x;
     pre.rows = res_rows;
     pre.dim = D;
+    mark("attn_res");
     K3_LAUNCH(cu::attn_res(pre, s));
     const bf16* attn_in = x;
     if (stock && G_ > 1) {
+      mark("collectives");
       all_gather(x, gathered);
       attn_in = gathered;
     }
     attention(l, attn_in, stock ? partial : a);
+    mark("collectives");
     if (stock) {
       // reduce-scatter [m, D] partials -> this rank's [cs, D] (loopback: its own rows).
       if (real > 0) CUDA_CHECK(cudaMemcpyAsync(a, partial + r0 * D, real * D * 2, cudaMemcpyDeviceToDevice, s));
@@ -578,6 +601,7 @@ void GpuRank::enqueue(StepKind kind) {
       CUDA_CHECK(cudaMemcpyAsync(partial, a, m * D * 2, cudaMemcpyDeviceToDevice, s));
       CUDA_CHECK(cudaMemcpyAsync(partial, a, m * D * 2, cudaMemcpyDeviceToDevice, s));
     }
+    mark("attn_res");
     if (li.block_start) CUDA_CHECK(cudaMemcpyAsync(P, a, res_rows * D * 2, cudaMemcpyDeviceToDevice, s));
     cu::AttnResCudaArgs post = pre;
     post.delta = li.block_start ? nullptr : a;
@@ -588,6 +612,7 @@ void GpuRank::enqueue(StepKind kind) {
     post.block_write_idx = -1;
     K3_LAUNCH(cu::attn_res(post, s));
     if (lw.ffn == FfnKind::Dense) {
+      mark("dense_mlp");
       const int64_t rows = stock ? real : m;
       size_t at = 0;
       bf16* scratch = scratch_bf16(at, 2 * rows * c_.dense_intermediate_size);
@@ -599,6 +624,7 @@ void GpuRank::enqueue(StepKind kind) {
     } else {
       // run_stock_moe: this rank's shard, then all-gathered back to all rows.
       moe(l, x + r0 * D, real, sharded);
+      mark("collectives");
       all_gather(sharded, f);
     }
   }
@@ -615,6 +641,7 @@ void GpuRank::enqueue(StepKind kind) {
   fin.out = x;
   fin.rows = res_rows;
   fin.dim = D;
+  mark("lm_head");
   K3_LAUNCH(cu::attn_res(fin, s));
   K3_LAUNCH(cu::rmsnorm(x, weights_.w.norm, x, res_rows, D, eps, s));
   const bf16* h = x;
@@ -631,6 +658,43 @@ void GpuRank::enqueue(StepKind kind) {
     for (int g = 0; g < G_; ++g)  // the vocab all-gather (loopback: this slice everywhere)
       CUDA_CHECK(cudaMemcpy2DAsync(out + g * Vl, V * 4, lm, Vl * 4, Vl * 4, m, cudaMemcpyDeviceToDevice, s));
   }
+}
+
+void GpuRank::mark(const char* label) {
+  if (!profiling_) return;
+  if (n_marks_ == events_.size()) {
+    cudaEvent_t e;
+    CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+    labels_.push_back(nullptr);
+  }
+  CUDA_CHECK(cudaEventRecord(events_[n_marks_], ctx_.stream));
+  labels_[n_marks_++] = label;
+}
+
+std::vector<std::pair<std::string, double>> GpuRank::profile(StepKind kind) {
+  profiling_ = true;
+  n_marks_ = 0;
+  try {
+    enqueue(kind);
+    mark("end");
+  } catch (...) {
+    profiling_ = false;
+    throw;
+  }
+  profiling_ = false;
+  CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t i = 0; i + 1 < n_marks_; ++i) {
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+    auto it = std::find_if(out.begin(), out.end(), [&](const auto& p) { return p.first == labels_[i]; });
+    if (it == out.end())
+      out.emplace_back(labels_[i], ms);
+    else
+      it->second += ms;
+  }
+  return out;
 }
 
 void GpuRank::run_graph(StepKind kind) {

@@ -84,6 +84,10 @@ class GpuRank {
   // Commits the first n of the last step's q tokens of each slot (kernels + bookkeeping).
   void commit(std::span<const int> slots, std::span<const int> accepted);
 
+  // Profile mode (eager, events between op groups): milliseconds per op group of
+  // one step, in first-seen order. prepare() first.
+  std::vector<std::pair<std::string, double>> profile(StepKind kind);
+
   size_t weight_bytes() const { return weights_.bytes; }
   size_t cache_bytes() const { return cache_bytes_; }
   int64_t rows() const { return int64_t{B_} * q_; }
@@ -125,6 +129,11 @@ class GpuRank {
   // Activations and scratch.
   DeviceBuffer P_, blocks_, x_, a_, f_, logits_, work_, attn_scratch_;
   size_t work_bytes_ = 0, attn_scratch_bytes_ = 0;
+  void mark(const char* label);
+  bool profiling_ = false;
+  std::vector<cudaEvent_t> events_;
+  std::vector<const char*> labels_;
+  size_t n_marks_ = 0;
   struct Graph {
     StepKind kind;
     int B, q;
