@@ -211,15 +211,15 @@ int run_bench(const BenchArgs& args) {
                            {"iters", args.iters},
                            {"profile_us", breakdown},
                            {"commit", args.commit}});
+        if (!args.json.empty()) {  // rewritten after every point: a run cut short keeps what it measured
+          std::ofstream out(args.json);
+          K3_CHECK(out.good(), "bench: cannot write {}", args.json);
+          out << records.dump(1) << "\n";
+        }
       }
   }
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
-  if (!args.json.empty()) {
-    std::ofstream out(args.json);
-    K3_CHECK(out.good(), "bench: cannot write {}", args.json);
-    out << records.dump(1) << "\n";
-  }
   return 0;
 }
 

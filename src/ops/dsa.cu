@@ -74,8 +74,8 @@ __global__ void __launch_bounds__(kIdxThreads) dsa_index_scores_kernel(const Ind
   const int Di = p.Di, Hi = p.Hi;
   const int dk16 = idx_dk16(Di), dk = idx_dk(Di);
   const int HP = (Hi + 15) & ~15, MT = HP / 16;
-  bf16raw* Qs = reinterpret_cast<bf16raw*>(smem);  // [HP][dk]
-  bf16raw* Ks = Qs + HP * dk;                       // [kKT][dk]
+  bf16raw* Qs = reinterpret_cast<bf16raw*>(smem);       // [HP][dk]
+  bf16raw* Ks = Qs + HP * dk;                           // [kKT][dk]
   float* ws = reinterpret_cast<float*>(Ks + kKT * dk);  // [HP]
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, tq = lane & 3;
@@ -98,7 +98,8 @@ __global__ void __launch_bounds__(kIdxThreads) dsa_index_scores_kernel(const Ind
   }
   for (int h = tid; h < HP; h += kIdxThreads) ws[h] = h < Hi ? p.w[t * Hi + h] : 0.f;
   if (dk16 != Di) {  // K padding of the key tile (Di % 8 == 0: one 16-byte chunk per row)
-    for (int i = tid; i < kKT; i += kIdxThreads) *reinterpret_cast<uint4*>(Ks + i * dk + Di) = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = tid; i < kKT; i += kIdxThreads)
+      *reinterpret_cast<uint4*>(Ks + i * dk + Di) = make_uint4(0u, 0u, 0u, 0u);
   }
 
   for (int j0 = c0; j0 < c1; j0 += kKT) {
@@ -181,8 +182,8 @@ constexpr int kCollectPer = 4;  // consecutive elements per thread in the gather
 // Order-preserving key: a > b as floats (NaN as -inf, -0 as +0) <=> key(a) > key(b).
 __device__ __forceinline__ uint32_t float_key(float s) {
   uint32_t u = __float_as_uint(s);
-  if (s != s) u = 0xff800000u;    // NaN ranks as -inf
-  if (u == 0x80000000u) u = 0u;   // -0 ties with +0
+  if (s != s) u = 0xff800000u;   // NaN ranks as -inf
+  if (u == 0x80000000u) u = 0u;  // -0 ties with +0
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 __device__ __forceinline__ unsigned long long pair_key(uint32_t key, int i) {
@@ -350,7 +351,8 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
                            int max_pages, int page_size, const int32_t* ctx_len, int B, int q_len, int max_ctx, int Hi,
                            int Di, float* scores, CUstream_st* stream) {
   if (B < 0 || q_len < 0 || max_ctx < 0 || Hi <= 0 || Hi > 16 * kMaxMT || Di <= 0 || Di % 8 != 0 || page_size <= 0 ||
-      max_pages < 0)
+      max_pages < 0 || (reinterpret_cast<uintptr_t>(q_idx) & 15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(key_pool) & 15u) != 0)
     return cudaErrorInvalidValue;
   const int64_t T = static_cast<int64_t>(B) * q_len;
   if (T == 0 || max_ctx == 0) return cudaSuccess;

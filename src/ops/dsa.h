@@ -32,7 +32,7 @@ namespace k3::ops::cuda {
 
 // q_idx BF16 [T, Hi, Di], w F32 [T, Hi] (scale folded in), ctx_len int32 [T] (candidates: positions
 // [0, ctx_len[t]), each ctx_len <= max_ctx) -> scores F32 [T, max_ctx], columns >= ctx_len[t] set to -inf.
-// Di % 8 == 0, Hi <= 64.
+// Di % 8 == 0, Hi <= 64, q_idx and key_pool 16-byte aligned.
 int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_pool, const int32_t* block_tables,
                            int max_pages, int page_size, const int32_t* ctx_len, int B, int q_len, int max_ctx, int Hi,
                            int Di, float* scores, CUstream_st* stream);

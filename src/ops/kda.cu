@@ -44,8 +44,8 @@ constexpr int kNormWarps = 8;  // (row, head) pairs per CTA of the per-head norm
 unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
 
 __global__ void kda_gate_kernel(const bf16raw* __restrict__ u, const float* __restrict__ A_log,
-                                const float* __restrict__ dt_bias, float lower_bound, float* __restrict__ g,
-                                int64_t n, int H, int dk) {
+                                const float* __restrict__ dt_bias, float lower_bound, float* __restrict__ g, int64_t n,
+                                int H, int dk) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kEltThreads + threadIdx.x;
   if (i >= n) return;
   const int64_t j = i % (static_cast<int64_t>(H) * dk);
@@ -114,8 +114,8 @@ __global__ void __launch_bounds__(kRecThreads, 8)
     kda_recurrence_kernel(const float* __restrict__ q, const float* __restrict__ k, const bf16raw* __restrict__ v,
                           const float* __restrict__ g, const float* __restrict__ beta,
                           const float* __restrict__ state_pool, float* __restrict__ hist_pool,
-                          const int32_t* __restrict__ slots, float* __restrict__ o, int q_len, int max_q, int H,
-                          int dk, int dv) {
+                          const int32_t* __restrict__ slots, float* __restrict__ o, int q_len, int max_q, int H, int dk,
+                          int dv) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int b = blockIdx.z, h = blockIdx.y;
   const int row0 = blockIdx.x * kRowsPerCta + warp * kRowsPerWarp;
@@ -218,8 +218,8 @@ constexpr int kCommitThreads = 256;
 
 template <bool VEC4>
 __global__ void commit_state_kernel(const float* __restrict__ hist_pool, float* __restrict__ pool,
-                                    const int32_t* __restrict__ slots, const int32_t* __restrict__ accepted,
-                                    int max_q, int64_t floats_per_state) {
+                                    const int32_t* __restrict__ slots, const int32_t* __restrict__ accepted, int max_q,
+                                    int64_t floats_per_state) {
   const int b = blockIdx.y;
   const int n = accepted[b];
   if (n < 1 || n > max_q) return;
@@ -246,7 +246,7 @@ int kda_gate(const bf16* u, const float* A_log, const float* dt_bias, float lowe
   const int64_t n = rows * H * dk;
   if (n == 0) return cudaSuccess;
   kda_gate_kernel<<<blocks_for(n, kEltThreads), kEltThreads, 0, stream>>>(reinterpret_cast<const bf16raw*>(u), A_log,
-                                                                           dt_bias, lower_bound, g, n, H, dk);
+                                                                          dt_bias, lower_bound, g, n, H, dk);
   return cudaGetLastError();
 }
 
@@ -255,7 +255,7 @@ int kda_beta(const bf16* b, int64_t b_ld, float* beta, int64_t rows, int H, CUst
   const int64_t n = rows * H;
   if (n == 0) return cudaSuccess;
   kda_beta_kernel<<<blocks_for(n, kEltThreads), kEltThreads, 0, stream>>>(reinterpret_cast<const bf16raw*>(b), b_ld,
-                                                                           beta, n, H);
+                                                                          beta, n, H);
   return cudaGetLastError();
 }
 
@@ -271,19 +271,19 @@ int l2norm_heads(const bf16* x, float* out, int64_t rows, int H, int d, float sc
 int kda_recurrence(const float* q, const float* k, const bf16* v, const float* g, const float* beta,
                    const float* state_pool, float* hist_pool, const int32_t* slots, float* o, int B, int q_len,
                    int max_q, int H, int dk, int dv, CUstream_st* stream) {
-  if (B < 0 || q_len < 0 || q_len > max_q || H <= 0 || dv <= 0 || dk <= 0 || dk % 4 != 0 || dk > 256 ||
-      !aligned16(q) || !aligned16(k) || !aligned16(g) || !aligned16(state_pool) || !aligned16(hist_pool))
+  if (B < 0 || q_len < 0 || q_len > max_q || H <= 0 || dv <= 0 || dk <= 0 || dk % 4 != 0 || dk > 256 || !aligned16(q) ||
+      !aligned16(k) || !aligned16(g) || !aligned16(state_pool) || !aligned16(hist_pool))
     return cudaErrorInvalidValue;
   if (B == 0 || q_len == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((dv + kRowsPerCta - 1) / kRowsPerCta), static_cast<unsigned>(H),
                   static_cast<unsigned>(B));
   const auto* vr = reinterpret_cast<const bf16raw*>(v);
   if (dk <= 128)
-    kda_recurrence_kernel<1><<<grid, kRecThreads, 0, stream>>>(q, k, vr, g, beta, state_pool, hist_pool, slots, o,
-                                                                q_len, max_q, H, dk, dv);
+    kda_recurrence_kernel<1>
+        <<<grid, kRecThreads, 0, stream>>>(q, k, vr, g, beta, state_pool, hist_pool, slots, o, q_len, max_q, H, dk, dv);
   else
-    kda_recurrence_kernel<2><<<grid, kRecThreads, 0, stream>>>(q, k, vr, g, beta, state_pool, hist_pool, slots, o,
-                                                                q_len, max_q, H, dk, dv);
+    kda_recurrence_kernel<2>
+        <<<grid, kRecThreads, 0, stream>>>(q, k, vr, g, beta, state_pool, hist_pool, slots, o, q_len, max_q, H, dk, dv);
   return cudaGetLastError();
 }
 
@@ -293,8 +293,7 @@ int kda_gated_norm(const float* o, const bf16* gate, int64_t gate_ld, const floa
   const int64_t pairs = rows * H;
   if (pairs == 0) return cudaSuccess;
   kda_gated_norm_kernel<<<blocks_for(pairs, kNormWarps), kNormWarps * 32, 0, stream>>>(
-      o, reinterpret_cast<const bf16raw*>(gate), gate_ld, o_norm_w, eps, reinterpret_cast<bf16raw*>(out), pairs, H,
-      dv);
+      o, reinterpret_cast<const bf16raw*>(gate), gate_ld, o_norm_w, eps, reinterpret_cast<bf16raw*>(out), pairs, H, dv);
   return cudaGetLastError();
 }
 
@@ -307,11 +306,11 @@ int commit_state(const float* hist_pool, float* pool, const int32_t* slots, cons
   const int64_t want = (units + kCommitThreads * 4 - 1) / (kCommitThreads * 4);  // ~4 units per thread
   const dim3 grid(static_cast<unsigned>(want < 1 ? 1 : (want > 1024 ? 1024 : want)), static_cast<unsigned>(B));
   if (vec4)
-    commit_state_kernel<true><<<grid, kCommitThreads, 0, stream>>>(hist_pool, pool, slots, accepted, max_q,
-                                                                   floats_per_state);
+    commit_state_kernel<true>
+        <<<grid, kCommitThreads, 0, stream>>>(hist_pool, pool, slots, accepted, max_q, floats_per_state);
   else
-    commit_state_kernel<false><<<grid, kCommitThreads, 0, stream>>>(hist_pool, pool, slots, accepted, max_q,
-                                                                    floats_per_state);
+    commit_state_kernel<false>
+        <<<grid, kCommitThreads, 0, stream>>>(hist_pool, pool, slots, accepted, max_q, floats_per_state);
   return cudaGetLastError();
 }
 

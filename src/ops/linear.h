@@ -18,9 +18,11 @@ void linear(const float* x, const bf16* w, float* y, int64_t rows, int64_t in, i
 namespace k3::ops::cuda {
 
 // x [rows, in] BF16, w [out, in] BF16 -> y [rows, out], BF16 (rounded) or FP32 when y_f32; FP32 accumulation.
-// rows <= kLinearKernelMaxRows: a hand-written kernel streaming W once per 8 rows; more rows: cuBLASLt on
+// rows <= kLinearKernelMaxRows: a hand-written kernel streaming W once; more rows: cuBLASLt on
 // ctx.workspace (the kernel again if cuBLASLt has no algorithm). y must not alias x.
-constexpr int64_t kLinearKernelMaxRows = 64;
+// Measured on the H200 (docs/PERF.md): this kernel takes 36 us on 6288 x 7168 at 4 rows and 195 us at
+// 32 rows, cuBLASLt 31 us at 128 rows; the kernel keeps 1-2 rows (26 us at 1 row, 77% of HBM).
+constexpr int64_t kLinearKernelMaxRows = 2;
 int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
            int64_t out);
 

@@ -123,8 +123,8 @@ constexpr int kMergeThreads = 128;
 constexpr int kMaxMergeParts = 4096;
 
 __global__ void __launch_bounds__(kMergeThreads)
-    lse_merge_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH,
-                     int R, float* __restrict__ o, float* __restrict__ lse) {
+    lse_merge_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH, int R,
+                     float* __restrict__ o, float* __restrict__ lse) {
   extern __shared__ float mw[];  // [D] weights, [D] the parts' lse
   float* ls = mw + D;
   const int64_t th = blockIdx.x;  // t * H + h
@@ -167,8 +167,8 @@ __global__ void __launch_bounds__(kMergeThreads)
   if (threadIdx.x == 0) lse[th] = m + logf(sum);
 }
 
-int launch_lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, int H, int R, float* o,
-                     float* lse, cudaStream_t stream) {
+int launch_lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, int H, int R, float* o, float* lse,
+                     cudaStream_t stream) {
   if (D < 0 || D > kMaxMergeParts || T < 0 || H <= 0 || R <= 0) return cudaErrorInvalidValue;
   const int64_t TH = T * H;
   if (TH == 0) return cudaSuccess;
@@ -181,13 +181,13 @@ int launch_lse_merge(const float* o_parts, const float* lse_parts, int D, int64_
 // ---------------------------------------------------------------- attend
 constexpr int kAttWarps = 4;
 constexpr int kAttThreads = kAttWarps * 32;
-constexpr int kBN = 32;             // cache entries per tile
-constexpr int kMRows = 16;          // query rows per CTA (one MMA M tile)
-constexpr int kPS = kBN + 8;        // row stride (elements) of the P tiles
-constexpr int kSS = kBN + 4;        // row stride (floats) of the score tile
-constexpr int kMaxNTW = 16;         // n8 tiles of R per warp: R <= 8 * 16 * 4 = 512
+constexpr int kBN = 32;       // cache entries per tile
+constexpr int kMRows = 16;    // query rows per CTA (one MMA M tile)
+constexpr int kPS = kBN + 8;  // row stride (elements) of the P tiles
+constexpr int kSS = kBN + 4;  // row stride (floats) of the score tile
+constexpr int kMaxNTW = 16;   // n8 tiles of R per warp: R <= 8 * 16 * 4 = 512
 constexpr int kMaxR = 8 * kMaxNTW * kAttWarps;
-constexpr int kMinChunkTiles = 4;   // a split covers at least 128 entries
+constexpr int kMinChunkTiles = 4;     // a split covers at least 128 entries
 constexpr int kTargetCtas = 2 * 132;  // ~2 waves on an H200 (heuristic only)
 
 static_assert(kAttThreads == kMRows * 8, "softmax mapping: 8 threads per row, 4 columns each");
@@ -208,12 +208,12 @@ struct AttendParams {
   const int32_t* ctx_len;  // dense: [T]
   const int32_t* sel;      // sparse: [T, max_sel]
   const int32_t* sel_count;
-  float* o_out;            // [splits, T, H, R]
-  float* lse_out;          // [splits, T, H]
+  float* o_out;    // [splits, T, H, R]
+  float* lse_out;  // [splits, T, H]
   int64_t T;
   int max_pages, page_size, max_sel, q_len, H, R, P;
-  int max_len;             // upper bound of every row's length (max_ctx or max_sel)
-  int chunk;               // entries per split (a multiple of kBN)
+  int max_len;  // upper bound of every row's length (max_ctx or max_sel)
+  int chunk;    // entries per split (a multiple of kBN)
   float scale;
 };
 
@@ -269,10 +269,10 @@ __global__ void __launch_bounds__(kAttThreads) mla_attend_kernel(const AttendPar
   extern __shared__ __align__(16) unsigned char smem[];
   const int E = p.R + p.P;
   const int ek16 = attend_ek16(E), ek = attend_ek(E);
-  bf16raw* Qs = reinterpret_cast<bf16raw*>(smem);  // [16][ek]
-  bf16raw* Es = Qs + kMRows * ek;                  // [2][kBN][ek]
-  bf16raw* Phi = Es + 2 * kBN * ek;                // [16][kPS]
-  bf16raw* Plo = Phi + kMRows * kPS;               // [16][kPS]
+  bf16raw* Qs = reinterpret_cast<bf16raw*>(smem);            // [16][ek]
+  bf16raw* Es = Qs + kMRows * ek;                            // [2][kBN][ek]
+  bf16raw* Phi = Es + 2 * kBN * ek;                          // [16][kPS]
+  bf16raw* Plo = Phi + kMRows * kPS;                         // [16][kPS]
   float* Ss = reinterpret_cast<float*>(Plo + kMRows * kPS);  // [16][kSS]
   float* corr_s = Ss + kMRows * kSS;
   float* m_s = corr_s + kMRows;
@@ -311,7 +311,8 @@ __global__ void __launch_bounds__(kAttThreads) mla_attend_kernel(const AttendPar
     *reinterpret_cast<uint4*>(Qs + r * ek + c * 8) = val;
   }
   if (ek16 != E) {  // the K padding of the entry tiles (E % 8 == 0: one 16-byte chunk per row)
-    for (int i = tid; i < 2 * kBN; i += kAttThreads) *reinterpret_cast<uint4*>(Es + i * ek + E) = make_uint4(0u, 0u, 0u, 0u);
+    for (int i = tid; i < 2 * kBN; i += kAttThreads)
+      *reinterpret_cast<uint4*>(Es + i * ek + E) = make_uint4(0u, 0u, 0u, 0u);
   }
   __syncthreads();
 
@@ -483,12 +484,14 @@ __global__ void __launch_bounds__(kAttThreads) mla_attend_kernel(const AttendPar
   }
 }
 
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
 template <bool INDEXED>
-int launch_attend(AttendParams p, int64_t groups, int rows_per_group, void* scratch, size_t scratch_bytes,
-                  float* o_lat, float* lse, cudaStream_t stream) {
+int launch_attend(AttendParams p, int64_t groups, int rows_per_group, void* scratch, size_t scratch_bytes, float* o_lat,
+                  float* lse, cudaStream_t stream) {
   const int E = p.R + p.P;
   if (p.H <= 0 || p.R <= 0 || p.R > kMaxR || p.P < 0 || E % 8 != 0 || p.page_size <= 0 || p.max_pages < 0 ||
-      p.max_len < 0 || p.T < 0 || groups > 65535)
+      p.max_len < 0 || p.T < 0 || groups > 65535 || !aligned16(p.q_lat) || !aligned16(p.pool))
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   const int mtiles = (rows_per_group + kMRows - 1) / kMRows;
@@ -568,8 +571,8 @@ size_t mla_attend_indexed_scratch_bytes(int64_t T, int H, int R, int max_sel) {
 
 int mla_attend_indexed(const bf16* q_lat, const bf16* kv_pool, const int32_t* block_tables, int max_pages,
                        int page_size, const int32_t* sel, const int32_t* sel_count, int max_sel, int B, int q_len,
-                       int H, int R, int P, float scale, float* o_lat, float* lse, void* scratch,
-                       size_t scratch_bytes, CUstream_st* stream) {
+                       int H, int R, int P, float scale, float* o_lat, float* lse, void* scratch, size_t scratch_bytes,
+                       CUstream_st* stream) {
   if (B < 0 || q_len <= 0) return B == 0 ? cudaSuccess : cudaErrorInvalidValue;
   AttendParams p{};
   p.q_lat = reinterpret_cast<const bf16raw*>(q_lat);

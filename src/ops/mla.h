@@ -14,9 +14,8 @@
 // own); sparse (DSA) passes the top-k selected entries: one function serves both.
 #pragma once
 
-#include <cstdint>
-
 #include <cstddef>
+#include <cstdint>
 
 #include "core/bf16.h"
 #include "ops/cuda_context.h"
@@ -55,7 +54,8 @@ size_t mla_attend_paged_scratch_bytes(int B, int q_len, int H, int R, int max_ct
 
 // q_lat BF16 [B*q_len, H, R+P], kv_pool as above, ctx_len int32 [B*q_len] (positions visible: pos + 1, each in
 // [0, max_ctx]) -> o_lat F32 [B*q_len, H, R], lse F32 [B*q_len, H] (no entries: zeros and -inf).
-// (R+P) % 8 == 0, R <= 512; scratch of mla_attend_paged_scratch_bytes(B, q_len, H, R, max_ctx) bytes.
+// (R+P) % 8 == 0, R <= 512, q_lat and kv_pool 16-byte aligned; scratch of
+// mla_attend_paged_scratch_bytes(B, q_len, H, R, max_ctx) bytes.
 int mla_attend_paged(const bf16* q_lat, const bf16* kv_pool, const int32_t* block_tables, int max_pages, int page_size,
                      const int32_t* ctx_len, int B, int q_len, int max_ctx, int H, int R, int P, float scale,
                      float* o_lat, float* lse, void* scratch, size_t scratch_bytes, CUstream_st* stream);
@@ -67,8 +67,8 @@ size_t mla_attend_indexed_scratch_bytes(int64_t T, int H, int R, int max_sel);
 // [0, max_sel]) of its request (t / q_len), in any order; otherwise as mla_attend_paged.
 int mla_attend_indexed(const bf16* q_lat, const bf16* kv_pool, const int32_t* block_tables, int max_pages,
                        int page_size, const int32_t* sel, const int32_t* sel_count, int max_sel, int B, int q_len,
-                       int H, int R, int P, float scale, float* o_lat, float* lse, void* scratch,
-                       size_t scratch_bytes, CUstream_st* stream);
+                       int H, int R, int P, float scale, float* o_lat, float* lse, void* scratch, size_t scratch_bytes,
+                       CUstream_st* stream);
 
 // o_parts F32 [D, T, H, R], lse_parts F32 [D, T, H] -> o F32 [T, H, R], lse F32 [T, H] (parts with lse = -inf are
 // ignored; none left: zeros and -inf).

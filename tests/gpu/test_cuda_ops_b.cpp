@@ -121,17 +121,15 @@ TEST_P(ShortConvCuda, MatchesCpuWritesHistoryAndCommits) {
   auto d_hist = upload(hist);
   auto d_slots = upload(slots);
   DeviceBuffer d_y(static_cast<size_t>(rows * C) * sizeof(bf16));
-  K3_CU(ops::cuda::short_conv_silu(d_x.get<bf16>(), x_ld, d_w.get<float>(), d_pool.get<float>(),
-                                   d_hist.get<float>(), d_slots.get<int32_t>(), d_y.get<bf16>(), B, q, max_q, C, K,
-                                   st()));
+  K3_CU(ops::cuda::short_conv_silu(d_x.get<bf16>(), x_ld, d_w.get<float>(), d_pool.get<float>(), d_hist.get<float>(),
+                                   d_slots.get<int32_t>(), d_y.get<bf16>(), B, q, max_q, C, K, st()));
 
   // CPU: per request, from a copy of its committed state.
   std::vector<float> y_ref(static_cast<size_t>(rows * C)), hist_ref = hist;
   for (int b = 0; b < B; ++b) {
-    std::vector<float> xb(static_cast<size_t>(q * C)), state(pool.begin() + slots[b] * st_f,
-                                                              pool.begin() + (slots[b] + 1) * st_f);
-    for (int t = 0; t < q; ++t)
-      std::copy_n(&x[(int64_t{b} * q + t) * x_ld], C, &xb[static_cast<size_t>(t * C)]);
+    std::vector<float> xb(static_cast<size_t>(q * C)),
+        state(pool.begin() + slots[b] * st_f, pool.begin() + (slots[b] + 1) * st_f);
+    for (int t = 0; t < q; ++t) std::copy_n(&x[(int64_t{b} * q + t) * x_ld], C, &xb[static_cast<size_t>(t * C)]);
     ops::short_conv_silu(xb.data(), w.data(), state.data(), &y_ref[static_cast<size_t>(b * q * C)],
                          &hist_ref[static_cast<size_t>(int64_t{slots[b]} * max_q * st_f)], q, C, K);
   }
@@ -142,28 +140,28 @@ TEST_P(ShortConvCuda, MatchesCpuWritesHistoryAndCommits) {
   // Commit n accepted tokens: the CPU state after exactly n tokens.
   const auto accepted = accepted_pattern(B, q);
   auto d_acc = upload(accepted);
-  K3_CU(ops::cuda::commit_state(d_hist.get<float>(), d_pool.get<float>(), d_slots.get<int32_t>(),
-                                d_acc.get<int32_t>(), B, max_q, st_f, st()));
+  K3_CU(ops::cuda::commit_state(d_hist.get<float>(), d_pool.get<float>(), d_slots.get<int32_t>(), d_acc.get<int32_t>(),
+                                B, max_q, st_f, st()));
   std::vector<float> pool_ref = pool;
   for (int b = 0; b < B; ++b) {
     const int n = accepted[b];
     if (n == 0) continue;
     std::vector<float> xb(static_cast<size_t>(n * C)), yb(static_cast<size_t>(n * C));
-    for (int t = 0; t < n; ++t)
-      std::copy_n(&x[(int64_t{b} * q + t) * x_ld], C, &xb[static_cast<size_t>(t * C)]);
-    ops::short_conv_silu(xb.data(), w.data(), &pool_ref[static_cast<size_t>(slots[b] * st_f)], yb.data(), nullptr, n,
-                         C, K);
+    for (int t = 0; t < n; ++t) std::copy_n(&x[(int64_t{b} * q + t) * x_ld], C, &xb[static_cast<size_t>(t * C)]);
+    ops::short_conv_silu(xb.data(), w.data(), &pool_ref[static_cast<size_t>(slots[b] * st_f)], yb.data(), nullptr, n, C,
+                         K);
   }
   expect_exact(down_f32(d_pool, pool.size()), pool_ref, "conv state after commit");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ShortConvCuda,
-                         ::testing::Values(ConvShape{1, 1, 1, 2, 1536, 4, 0},     // K3 TP8 q/k/v, plain decode
-                                           ConvShape{3, 4, 8, 5, 1536, 4, 0},     // verify, 3 requests
-                                           ConvShape{8, 8, 8, 9, 4608, 4, 6288 - 4608},  // fused q|k|v of the packed proj
-                                           ConvShape{2, 3, 5, 4, 37, 3, 5},       // odd channels, K 3
-                                           ConvShape{3, 2, 2, 3, 300, 2, 0},      // K 2
-                                           ConvShape{2, 5, 6, 3, 33, 8, 1}));     // K 8 (the maximum)
+                         ::testing::Values(ConvShape{1, 1, 1, 2, 1536, 4, 0},  // K3 TP8 q/k/v, plain decode
+                                           ConvShape{3, 4, 8, 5, 1536, 4, 0},  // verify, 3 requests
+                                           ConvShape{8, 8, 8, 9, 4608, 4,
+                                                     6288 - 4608},             // fused q|k|v of the packed proj
+                                           ConvShape{2, 3, 5, 4, 37, 3, 5},    // odd channels, K 3
+                                           ConvShape{3, 2, 2, 3, 300, 2, 0},   // K 2
+                                           ConvShape{2, 5, 6, 3, 33, 8, 1}));  // K 8 (the maximum)
 
 // ---------------------------------------------------------------- KDA elementwise ops
 
@@ -188,8 +186,8 @@ TEST_P(KdaPointwiseCuda, GateBetaL2normGatedNormMatchCpu) {
     auto d_A = upload(A_log);
     auto d_dt = upload(dt_bias);
     DeviceBuffer d_g(static_cast<size_t>(rows * C) * sizeof(float));
-    K3_CU(ops::cuda::kda_gate(d_u.get<bf16>(), d_A.get<float>(), d_dt.get<float>(), -5.0f, d_g.get<float>(), rows, H,
-                              d, st()));
+    K3_CU(ops::cuda::kda_gate(d_u.get<bf16>(), d_A.get<float>(), d_dt.get<float>(), -5.0f, d_g.get<float>(), rows, H, d,
+                              st()));
     std::vector<float> g_ref(static_cast<size_t>(rows * C));
     ops::kda_gate(u.data(), A_log.data(), dt_bias.data(), -5.0f, g_ref.data(), rows, H, d);
     expect_close(down_f32(d_g, g_ref.size()), g_ref, 2e-6, 1e-6, "kda_gate");
@@ -280,16 +278,15 @@ TEST_P(KdaRecurrenceCuda, MatchesCpuPerTokenHistoryAndCommit) {
   auto d_slots = upload(slots);
   DeviceBuffer d_o(static_cast<size_t>(rows * Cv) * sizeof(float));
   K3_CU(ops::cuda::kda_recurrence(d_q.get<float>(), d_k.get<float>(), d_v.get<bf16>(), d_g.get<float>(),
-                                  d_beta.get<float>(), d_pool.get<float>(), d_hist.get<float>(),
-                                  d_slots.get<int32_t>(), d_o.get<float>(), B, q, max_q, H, dk, dv, st()));
+                                  d_beta.get<float>(), d_pool.get<float>(), d_hist.get<float>(), d_slots.get<int32_t>(),
+                                  d_o.get<float>(), B, q, max_q, H, dk, dv, st()));
 
   std::vector<float> o_ref(static_cast<size_t>(rows * Cv)), hist_ref = hist;
   for (int b = 0; b < B; ++b) {
     std::vector<float> S(pool.begin() + slots[b] * st_f, pool.begin() + (slots[b] + 1) * st_f);
     const int64_t r0 = int64_t{b} * q;
-    ops::kda_recurrence(&qf[r0 * Ck], &kf[r0 * Ck], &v[r0 * Cv], &g[r0 * Ck], &beta[r0 * H], S.data(),
-                        &o_ref[r0 * Cv], &hist_ref[static_cast<size_t>(int64_t{slots[b]} * max_q * st_f)], q, H, dk,
-                        dv);
+    ops::kda_recurrence(&qf[r0 * Ck], &kf[r0 * Ck], &v[r0 * Cv], &g[r0 * Ck], &beta[r0 * H], S.data(), &o_ref[r0 * Cv],
+                        &hist_ref[static_cast<size_t>(int64_t{slots[b]} * max_q * st_f)], q, H, dk, dv);
   }
   expect_close(down_f32(d_o, o_ref.size()), o_ref, 1e-4, 1e-6, "kda o");
   const auto hist_got = down_f32(d_hist, hist.size());
@@ -311,8 +308,8 @@ TEST_P(KdaRecurrenceCuda, MatchesCpuPerTokenHistoryAndCommit) {
   // Commit n in {0, 1, q}: the state of decoding exactly the accepted tokens one by one.
   const auto accepted = accepted_pattern(B, q);
   auto d_acc = upload(accepted);
-  K3_CU(ops::cuda::commit_state(d_hist.get<float>(), d_pool.get<float>(), d_slots.get<int32_t>(),
-                                d_acc.get<int32_t>(), B, max_q, st_f, st()));
+  K3_CU(ops::cuda::commit_state(d_hist.get<float>(), d_pool.get<float>(), d_slots.get<int32_t>(), d_acc.get<int32_t>(),
+                                B, max_q, st_f, st()));
   std::vector<float> pool_ref = pool;
   for (int b = 0; b < B; ++b) {
     const int n = accepted[b];
@@ -337,9 +334,9 @@ std::vector<RecShape> rec_shapes() {
   std::vector<RecShape> v;
   for (int B : {1, 3, 8})
     for (int q : {1, 2, 4, 8}) v.push_back({B, q, 8, B + 2, 12, 128, 128});  // K3 TP8: 12 heads of 128
-  v.push_back({2, 3, 5, 4, 3, 20, 37});    // odd dk (5 float4 chunks) and dv
-  v.push_back({1, 2, 2, 2, 2, 256, 16});   // dk 256: two chunks per lane
-  v.push_back({3, 1, 1, 3, 1, 64, 130});   // dv not a multiple of the CTA rows
+  v.push_back({2, 3, 5, 4, 3, 20, 37});                                      // odd dk (5 float4 chunks) and dv
+  v.push_back({1, 2, 2, 2, 2, 256, 16});                                     // dk 256: two chunks per lane
+  v.push_back({3, 1, 1, 3, 1, 64, 130});                                     // dv not a multiple of the CTA rows
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, KdaRecurrenceCuda, ::testing::ValuesIn(rec_shapes()));
@@ -539,8 +536,8 @@ TEST_P(MlaAttendPagedCuda, MatchesCpuOverShuffledPages) {
   DeviceBuffer d_scratch(scratch_bytes);
   DeviceBuffer d_o(static_cast<size_t>(T * H * R) * sizeof(float)), d_lse(static_cast<size_t>(T * H) * sizeof(float));
   K3_CU(ops::cuda::mla_attend_paged(d_q.get<bf16>(), d_pool.get<bf16>(), d_tables.get<int32_t>(), cache.max_pages,
-                                    c.page_size, d_ctx.get<int32_t>(), B, q, max_ctx, H, R, P, scale,
-                                    d_o.get<float>(), d_lse.get<float>(), d_scratch.get(), scratch_bytes, st()));
+                                    c.page_size, d_ctx.get<int32_t>(), B, q, max_ctx, H, R, P, scale, d_o.get<float>(),
+                                    d_lse.get<float>(), d_scratch.get(), scratch_bytes, st()));
 
   std::vector<float> o_ref(static_cast<size_t>(T * H * R)), lse_ref(static_cast<size_t>(T * H));
   std::vector<const float*> entries;
@@ -564,9 +561,9 @@ INSTANTIATE_TEST_SUITE_P(
                       AttendCase{2, 4, 12, 512, 64, 64, {17, 1000}},           // verify: 48 rows = 3 M tiles
                       AttendCase{1, 8, 12, 512, 64, 64, {8192}},               // verify width 8, long context
                       AttendCase{3, 2, 12, 512, 64, 64, {2, 100, 8192}},
-                      AttendCase{2, 3, 8, 32, 8, 16, {3, 50}},                 // tiny preset shapes
-                      AttendCase{2, 2, 20, 64, 16, 16, {40, 300}},             // rows straddle M tiles
-                      AttendCase{1, 1, 5, 40, 8, 8, {777}}));                  // R not a multiple of 16
+                      AttendCase{2, 3, 8, 32, 8, 16, {3, 50}},      // tiny preset shapes
+                      AttendCase{2, 2, 20, 64, 16, 16, {40, 300}},  // rows straddle M tiles
+                      AttendCase{1, 1, 5, 40, 8, 8, {777}}));       // R not a multiple of 16
 
 struct IndexedCase {
   int B, q, H, R, P, page_size, max_sel;
@@ -614,7 +611,8 @@ TEST_P(MlaAttendIndexedCuda, MatchesCpuOverSelectedEntries) {
   for (int64_t t = 0; t < T; ++t) {
     const int b = static_cast<int>(t / q), n = count[static_cast<size_t>(t)];
     entries.resize(static_cast<size_t>(n));
-    for (int j = 0; j < n; ++j) entries[static_cast<size_t>(j)] = cache.at(b, sel[static_cast<size_t>(t * max_sel + j)]);
+    for (int j = 0; j < n; ++j)
+      entries[static_cast<size_t>(j)] = cache.at(b, sel[static_cast<size_t>(t * max_sel + j)]);
     ops::mla_attend(&q_lat[t * H * E], entries.data(), n, H, R, P, scale, &o_ref[t * H * R], &lse_ref[t * H]);
   }
   const auto o_got = down_f32(d_o, o_ref.size());
@@ -661,10 +659,12 @@ TEST_P(DsaIndexerCuda, ScoresAndTopkMatchCpu) {
   std::vector<float> q_idx(static_cast<size_t>(T * Hi * Di)), w(static_cast<size_t>(T * Hi));
   Rng r(72);
   for (auto& x : q_idx)
-    x = c.integers ? static_cast<float>(static_cast<int>(r.below(5)) - 2) : round_bf16(static_cast<float>(r.uniform(-1, 1)));
+    x = c.integers ? static_cast<float>(static_cast<int>(r.below(5)) - 2)
+                   : round_bf16(static_cast<float>(r.uniform(-1, 1)));
   const float wscale = 1.0f / std::sqrt(static_cast<float>(Di)) / std::sqrt(static_cast<float>(Hi));
   for (auto& x : w)
-    x = c.integers ? static_cast<float>(static_cast<int>(r.below(7)) - 3) : static_cast<float>(r.uniform(-1, 1)) * wscale;
+    x = c.integers ? static_cast<float>(static_cast<int>(r.below(7)) - 3)
+                   : static_cast<float>(r.uniform(-1, 1)) * wscale;
 
   auto d_q = up_bf16(q_idx);
   auto d_w = upload(w);
@@ -673,8 +673,8 @@ TEST_P(DsaIndexerCuda, ScoresAndTopkMatchCpu) {
   auto d_ctx = upload(ctx_len);
   DeviceBuffer d_scores(static_cast<size_t>(T * max_ctx) * sizeof(float));
   K3_CU(ops::cuda::dsa_index_scores_paged(d_q.get<bf16>(), d_w.get<float>(), d_pool.get<bf16>(),
-                                          d_tables.get<int32_t>(), keys.max_pages, c.page_size, d_ctx.get<int32_t>(),
-                                          B, q, max_ctx, Hi, Di, d_scores.get<float>(), st()));
+                                          d_tables.get<int32_t>(), keys.max_pages, c.page_size, d_ctx.get<int32_t>(), B,
+                                          q, max_ctx, Hi, Di, d_scores.get<float>(), st()));
   DeviceBuffer d_idx(static_cast<size_t>(T * k) * sizeof(int32_t)), d_cnt(static_cast<size_t>(T) * sizeof(int32_t));
   K3_CU(ops::cuda::topk_indices(d_scores.get<float>(), max_ctx, d_ctx.get<int32_t>(), T, k, d_idx.get<int32_t>(),
                                 d_cnt.get<int32_t>(), st()));
@@ -730,15 +730,25 @@ TEST(TopkCuda, MatchesCpuExactlyOnCraftedRows) {
     float* row = &scores[static_cast<size_t>(t * ld)];
     for (int i = 0; i < ns[static_cast<size_t>(t)]; ++i) {
       switch (t % 4) {
-        case 0: row[i] = static_cast<float>(r.uniform(-10, 10)); break;             // distinct
-        case 1: row[i] = static_cast<float>(static_cast<int>(r.below(9)) - 4); break;  // heavy ties
-        case 2: {                                                                    // specials
+        case 0:
+          row[i] = static_cast<float>(r.uniform(-10, 10));
+          break;  // distinct
+        case 1:
+          row[i] = static_cast<float>(static_cast<int>(r.below(9)) - 4);
+          break;   // heavy ties
+        case 2: {  // specials
           const uint64_t u = r.below(10);
-          row[i] = u == 0 ? kNaN : u == 1 ? -INFINITY : u == 2 ? -0.0f : u == 3 ? 0.0f : u == 4 ? INFINITY
-                                                                                              : static_cast<float>(r.normal());
+          row[i] = u == 0   ? kNaN
+                   : u == 1 ? -INFINITY
+                   : u == 2 ? -0.0f
+                   : u == 3 ? 0.0f
+                   : u == 4 ? INFINITY
+                            : static_cast<float>(r.normal());
           break;
         }
-        default: row[i] = static_cast<float>(r.below(3)) * 1e-30f - 1e-30f; break;  // tiny, ties, sign changes
+        default:
+          row[i] = static_cast<float>(r.below(3)) * 1e-30f - 1e-30f;
+          break;  // tiny, ties, sign changes
       }
     }
   }
