@@ -57,7 +57,7 @@ struct AttnResCudaArgs {
 };
 constexpr int kAttnResMaxSources = 64;
 
-// The fused attn_res of the CPU op, one CTA per row.
+// The fused attn_res of the CPU op: each row split over a cluster of up to 8 CTAs (sm_90), one launch.
 int attn_res(const AttnResCudaArgs& a, CUstream_st* stream);
 
 }  // namespace k3::ops::cuda

@@ -203,16 +203,69 @@ TEST(CudaNorm, LayernormMatchesCpu) {
 // ---------------------------------------------------------------------------------------------
 // attn_res
 
+struct AttnResCase {
+  int64_t rows, dim;
+  bool delta;
+  int num_blocks, write_idx;
+  bool out_norm;
+};
+
+// Runs one attn_res case on the GPU and the CPU: prefix and blocks must match exactly, out within
+// the tolerance of its rounding chain.
+void check_attn_res(const AttnResCase& c, int max_blocks, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << "rows " << c.rows << " dim " << c.dim << " delta " << c.delta << " blocks "
+                                  << c.num_blocks << " write " << c.write_idx << " out_norm " << c.out_norm);
+  const size_t n = static_cast<size_t>(c.rows * c.dim), nb = n * max_blocks;
+  auto prefix = random_bf16_values(n, seed++, 2.0);
+  const auto delta = random_bf16_values(n, seed++, 1.0);
+  auto blocks = random_bf16_values(nb, seed++, 2.0);
+  const auto norm_w = random_bf16_values(static_cast<size_t>(c.dim), seed++, 1.5);
+  const auto proj_w = random_bf16_values(static_cast<size_t>(c.dim), seed++, 4.0 / std::sqrt(double(c.dim)));
+  const auto out_w = random_bf16_values(static_cast<size_t>(c.dim), seed++, 1.5);
+  DeviceBuffer dp = upload_bf16(prefix), dd = upload_bf16(delta), dbl = upload_bf16(blocks);
+  DeviceBuffer dnw = upload_bf16(norm_w), dpw = upload_bf16(proj_w), dow = upload_bf16(out_w), dout(n * 2);
+
+  ops::cuda::AttnResCudaArgs g;
+  g.prefix = dp.get<bf16>();
+  g.delta = c.delta ? dd.get<bf16>() : nullptr;
+  g.blocks = dbl.get<bf16>();
+  g.max_blocks = max_blocks;
+  g.norm_w = dnw.get<bf16>();
+  g.proj_w = dpw.get<bf16>();
+  g.out_norm_w = c.out_norm ? dow.get<bf16>() : nullptr;
+  g.num_blocks = c.num_blocks;
+  g.block_write_idx = c.write_idx;
+  g.out = dout.get<bf16>();
+  g.rows = c.rows;
+  g.dim = c.dim;
+  ASSERT_EQ(ops::cuda::attn_res(g, st()), 0);
+
+  std::vector<bf16> nwb = to_bf16_vec(norm_w), pwb = to_bf16_vec(proj_w), owb = to_bf16_vec(out_w);
+  std::vector<float> out(n);
+  ops::AttnResArgs a;
+  a.prefix = prefix.data();
+  a.delta = c.delta ? delta.data() : nullptr;
+  a.blocks = blocks.data();
+  a.max_blocks = max_blocks;
+  a.norm_w = nwb.data();
+  a.proj_w = pwb.data();
+  a.out_norm_w = c.out_norm ? owb.data() : nullptr;
+  a.num_blocks = c.num_blocks;
+  a.block_write_idx = c.write_idx;
+  a.out = out.data();
+  a.rows = c.rows;
+  a.dim = c.dim;
+  ops::attn_res(a);
+
+  EXPECT_EQ(download_bf16(dp, n), prefix) << "prefix";
+  EXPECT_EQ(download_bf16(dbl, nb), blocks) << "blocks";
+  expect_close(download_bf16(dout, n), out, c.out_norm ? kNormOfChained : kOneRounding, 0.0, "attn_res out");
+}
+
 TEST(CudaAttnRes, MatchesCpuInEveryMode) {
   K3_REQUIRE_GPU();
-  struct Case {
-    int64_t rows, dim;
-    bool delta;
-    int num_blocks, write_idx;
-    bool out_norm;
-  };
   const int max_blocks = 8;
-  const Case cases[] = {
+  const AttnResCase cases[] = {
       {1, 7168, false, 0, 0, true},   // layer 0, before attention
       {3, 7168, true, 3, 3, true},    // layer 36, before attention: the block write is mixed too
       {3, 7168, false, 4, -1, true},  // after attention on a block start (prefix restarted)
@@ -222,54 +275,47 @@ TEST(CudaAttnRes, MatchesCpuInEveryMode) {
   };
   uint64_t seed = 2000;
   for (const auto& c : cases) {
-    SCOPED_TRACE(testing::Message() << "rows " << c.rows << " dim " << c.dim << " blocks " << c.num_blocks
-                                    << " write " << c.write_idx);
-    const size_t n = static_cast<size_t>(c.rows * c.dim), nb = n * max_blocks;
-    auto prefix = random_bf16_values(n, seed++, 2.0);
-    const auto delta = random_bf16_values(n, seed++, 1.0);
-    auto blocks = random_bf16_values(nb, seed++, 2.0);
-    const auto norm_w = random_bf16_values(static_cast<size_t>(c.dim), seed++, 1.5);
-    const auto proj_w = random_bf16_values(static_cast<size_t>(c.dim), seed++, 4.0 / std::sqrt(double(c.dim)));
-    const auto out_w = random_bf16_values(static_cast<size_t>(c.dim), seed++, 1.5);
-    DeviceBuffer dp = upload_bf16(prefix), dd = upload_bf16(delta), dbl = upload_bf16(blocks);
-    DeviceBuffer dnw = upload_bf16(norm_w), dpw = upload_bf16(proj_w), dow = upload_bf16(out_w), dout(n * 2);
-
-    ops::cuda::AttnResCudaArgs g;
-    g.prefix = dp.get<bf16>();
-    g.delta = c.delta ? dd.get<bf16>() : nullptr;
-    g.blocks = dbl.get<bf16>();
-    g.max_blocks = max_blocks;
-    g.norm_w = dnw.get<bf16>();
-    g.proj_w = dpw.get<bf16>();
-    g.out_norm_w = c.out_norm ? dow.get<bf16>() : nullptr;
-    g.num_blocks = c.num_blocks;
-    g.block_write_idx = c.write_idx;
-    g.out = dout.get<bf16>();
-    g.rows = c.rows;
-    g.dim = c.dim;
-    ASSERT_EQ(ops::cuda::attn_res(g, st()), 0);
-
-    std::vector<bf16> nwb = to_bf16_vec(norm_w), pwb = to_bf16_vec(proj_w), owb = to_bf16_vec(out_w);
-    std::vector<float> out(n);
-    ops::AttnResArgs a;
-    a.prefix = prefix.data();
-    a.delta = c.delta ? delta.data() : nullptr;
-    a.blocks = blocks.data();
-    a.max_blocks = max_blocks;
-    a.norm_w = nwb.data();
-    a.proj_w = pwb.data();
-    a.out_norm_w = c.out_norm ? owb.data() : nullptr;
-    a.num_blocks = c.num_blocks;
-    a.block_write_idx = c.write_idx;
-    a.out = out.data();
-    a.rows = c.rows;
-    a.dim = c.dim;
-    ops::attn_res(a);
-
-    EXPECT_EQ(download_bf16(dp, n), prefix) << "prefix";
-    EXPECT_EQ(download_bf16(dbl, nb), blocks) << "blocks";
-    expect_close(download_bf16(dout, n), out, c.out_norm ? kNormOfChained : kOneRounding, 0.0, "attn_res out");
+    check_attn_res(c, max_blocks, seed);
+    seed += 6;
   }
+}
+
+// The decode row counts at the K3 shape (dim 7168, 8 blocks + p = 9 sources): the kernel splits a row
+// over several CTAs at small row counts (a row's slices and its exchanged sums), fewer at 256.
+TEST(CudaAttnRes, MatchesCpuAtDecodeRowCounts) {
+  K3_REQUIRE_GPU();
+  const int max_blocks = 8;
+  struct Mode {
+    bool delta;
+    int num_blocks, write_idx;
+    bool out_norm;
+  };
+  const Mode modes[] = {
+      {true, 8, -1, true},    // 9 sources, delta, out norm
+      {true, 8, -1, false},   // 9 sources, delta, no out norm (the final mix)
+      {false, 8, 2, true},    // no delta, the block write is one of the mixed blocks
+      {true, 8, 7, false},    // delta, writes the last mixed block
+      {true, 4, 6, true},     // the block write is not a source
+      {false, 0, -1, false},  // p alone
+  };
+  uint64_t seed = 2100;
+  for (int64_t rows : {1, 3, 64, 256}) {
+    for (const auto& m : modes) {
+      check_attn_res({rows, 7168, m.delta, m.num_blocks, m.write_idx, m.out_norm}, max_blocks, seed);
+      seed += 6;
+    }
+  }
+  // More sources than one load group of the kernel (16): 40 blocks + p.
+  for (int64_t rows : {1, 5}) {
+    check_attn_res({rows, 7168, true, 40, 17, true}, 48, seed);
+    seed += 6;
+    check_attn_res({rows, 7168, false, 40, 3, false}, 48, seed);
+    seed += 6;
+  }
+  // Odd dims: the element-wise kernel split over a cluster, and a remainder slice.
+  check_attn_res({2, 7000, true, 8, 3, true}, max_blocks, seed);  // 7000 % 8 == 0: 875 chunks
+  seed += 6;
+  check_attn_res({3, 7001, true, 8, -1, true}, max_blocks, seed);  // element-wise
 }
 
 // ---------------------------------------------------------------------------------------------
