@@ -1,6 +1,5 @@
 #include "runtime/cluster.h"
 
-#include <cstdio>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -27,10 +26,6 @@ void LocalCluster::run(const std::function<void(int, Engine&)>& fn) {
     threads.emplace_back([&, w] {
       try {
         fn(w, *engines_[w]);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", w, e.what());
-        std::lock_guard<std::mutex> lock(mu);
-        if (!first) first = std::current_exception();
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
         if (!first) first = std::current_exception();
