@@ -275,13 +275,14 @@ void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t 
     ops::expert_mlp(zin.data(), xw.w1, xw.w3, xw.w2, zout.data(), n, L, I, situ(c), scratch.data());
     for (int64_t j = 0; j < n; ++j) std::copy_n(&zout[j * L], L, &recv_out[members[j] * L]);
   }
+  // Combine: outputs come back in the order they were sent.
+  Buf back = buf(nsend * L), expert_out = buf(real * k * L);
+  all_to_all_v_bf16(world, recv_out.data(), rcL.data(), back.data(), scL.data());
+  // Checked only after the last exchange, so that a failure never leaves a peer waiting.
   for (int64_t j = 0; j < nrecv; ++j)
     K3_CHECK(recv_ids[j] >= w.expert_begin && recv_ids[j] < w.expert_begin + static_cast<int64_t>(w.experts.size()),
              "moe: expert {} routed to a rank holding {}..{}", recv_ids[j], w.expert_begin,
              w.expert_begin + w.experts.size() - 1);
-  // Combine: outputs come back in the order they were sent.
-  Buf back = buf(nsend * L), expert_out = buf(real * k * L);
-  all_to_all_v_bf16(world, recv_out.data(), rcL.data(), back.data(), scL.data());
   int64_t at = 0;
   for (int p = 0; p < W; ++p)
     for (int64_t i : items[p]) std::copy_n(&back[(at++) * L], L, &expert_out[i * L]);

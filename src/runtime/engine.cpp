@@ -10,14 +10,19 @@ namespace k3 {
 namespace {
 ShardSpec shard_of(const Layout& L, int w) { return {L.tp, L.tp_rank(w), L.world(), w}; }
 // Everything about the layout and the groups, before any weight is read.
-Layout checked(const ModelConfig& c, const Layout& L, int w, const RankGroups& g) {
+Layout checked(const ModelConfig& c, const EngineOptions& o, const Layout& L, int w, const RankGroups& g) {
   L.validate();
+  for (int a : o.aux_layers)
+    K3_CHECK(a >= 0 && a <= c.num_layers, "aux layer {} outside 0..{}", a, c.num_layers);
   K3_CHECK(w >= 0 && w < L.world(), "layout: rank {} outside 0..{}", w, L.world() - 1);
   check_shardable(c, shard_of(L, w));
   K3_CHECK(g.tp && g.dcp && g.world, "layout: rank {} is missing a tp / dcp / world group", w);
   K3_CHECK(g.tp->size() == L.tp && g.dcp->size() == L.dcp && g.world->size() == L.world(),
            "layout: groups of sizes tp {} dcp {} world {} for --tp {} --dcp {} --dp {}", g.tp->size(), g.dcp->size(),
            g.world->size(), L.tp, L.dcp, L.dp);
+  K3_CHECK(g.tp->rank() == L.tp_rank(w) && g.dcp->rank() == L.dcp_rank(w) && g.world->rank() == w,
+           "layout: rank {} was given the groups of tp rank {} / dcp rank {} / world rank {}", w, g.tp->rank(),
+           g.dcp->rank(), g.world->rank());
   return L;
 }
 }  // namespace
@@ -30,7 +35,7 @@ Engine::Engine(std::shared_ptr<const TensorSource> src, const ModelConfig& confi
     : src_(std::move(src)),
       config_(config),
       opts_(options),
-      layout_(checked(config_, layout, world_rank, groups)),
+      layout_(checked(config_, options, layout, world_rank, groups)),
       world_rank_(world_rank),
       plan_(LayerPlan::from(config_)),
       weights_(load_weights(config_, *src_, shard_of(layout_, world_rank))),
@@ -38,8 +43,6 @@ Engine::Engine(std::shared_ptr<const TensorSource> src, const ModelConfig& confi
       tp_(std::make_unique<CountingComm>(std::move(groups.tp))),
       dcp_(std::make_unique<CountingComm>(std::move(groups.dcp))),
       world_(std::make_unique<CountingComm>(std::move(groups.world))) {
-  for (int a : opts_.aux_layers)
-    K3_CHECK(a >= 0 && a <= config_.num_layers, "aux layer {} outside 0..{}", a, config_.num_layers);
   slots_.resize(static_cast<size_t>(caches_.options().max_slots));
 }
 
