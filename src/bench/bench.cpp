@@ -109,6 +109,7 @@ int run_bench(const BenchArgs& args) {
   cudaStream_t s = reinterpret_cast<cudaStream_t>(ctx.stream);
   const double bw = measure_bandwidth(s, ctx.sm_count);
   fmt::print("HBM read bandwidth (streaming kernel, 4 GiB): {:.0f} GB/s\n", bw / 1e9);
+  if (args.ops) return run_ops_bench(args, bw, ctx);
 
   ModelConfig c;
   ShardSpec shard;

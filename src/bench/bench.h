@@ -27,6 +27,7 @@ struct BenchArgs {
   int warmup = 5;
   int iters = 50;
   uint64_t seed = 1;
+  bool ops = false;               // the decode kernels one by one (ops_bench.cpp) instead of steps
   bool profile = false;           // per-op-group breakdown of each point (eager, CUDA events)
   std::string json;               // write the records here
   std::string commit;             // recorded in the JSON
@@ -34,5 +35,11 @@ struct BenchArgs {
 
 // Runs the benchmark, prints a table, writes JSON; returns 0.
 int run_bench(const BenchArgs& args);
+
+namespace ops::cuda {
+struct Context;
+}
+// The kernel microbenchmarks (--ops), against the bandwidth `bw` (bytes/s) measured by run_bench.
+int run_ops_bench(const BenchArgs& args, double bw, ops::cuda::Context& ctx);
 
 }  // namespace k3

@@ -148,6 +148,7 @@ int main(int argc, char** argv) {
   bench->add_option("--warmup", ba.warmup, "untimed replays first")->capture_default_str();
   bench->add_option("--json", ba.json, "write one record per point");
   bench->add_flag("--profile", ba.profile, "per-op-group breakdown of every point");
+  bench->add_flag("--ops", ba.ops, "the decode kernels one by one at K3 per-rank shapes, beside their floors");
   bench->add_option("--commit", ba.commit, "commit id recorded in the JSON");
 #endif
 

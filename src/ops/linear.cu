@@ -198,13 +198,19 @@ bool linear_cublaslt(const Context& ctx, const bf16* x, const bf16* w, void* y, 
 
 }  // namespace
 
-int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
-           int64_t out) {
+int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
+               int64_t in, int64_t out) {
   if (rows < 0 || in <= 0 || out <= 0) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if (x == nullptr || w == nullptr || y == nullptr) return cudaErrorInvalidValue;
-  if (rows > kLinearKernelMaxRows && linear_cublaslt(ctx, x, w, y, y_f32, rows, in, out)) return cudaGetLastError();
+  const bool lt = path == LinearPath::CublasLt || (path == LinearPath::Auto && rows > kLinearKernelMaxRows);
+  if (lt && linear_cublaslt(ctx, x, w, y, y_f32, rows, in, out)) return cudaGetLastError();
   return linear_kernel(x, w, y, y_f32, rows, in, out, reinterpret_cast<cudaStream_t>(ctx.stream));
+}
+
+int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
+           int64_t out) {
+  return linear_via(ctx, LinearPath::Auto, x, w, y, y_f32, rows, in, out);
 }
 
 }  // namespace k3::ops::cuda

@@ -25,5 +25,10 @@ namespace k3::ops::cuda {
 constexpr int64_t kLinearKernelMaxRows = 2;
 int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
            int64_t out);
+// The same with the path forced (benchmarks compare them): Kernel = the hand-written kernel at any row
+// count; CublasLt = cuBLASLt (the kernel if cuBLASLt has no algorithm); Auto = linear().
+enum class LinearPath { Auto, Kernel, CublasLt };
+int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
+               int64_t in, int64_t out);
 
 }  // namespace k3::ops::cuda
