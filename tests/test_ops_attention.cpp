@@ -12,6 +12,7 @@
 
 #include "core/bf16.h"
 #include "core/rng.h"
+#include "test_util.h"
 #include "ops/dsa.h"
 #include "ops/mla.h"
 
@@ -20,18 +21,9 @@ namespace {
 using k3::bf16;
 using k3::Rng;
 
-constexpr double kBf16Rel = 1.0 / 256.0;  // round-to-nearest BF16: |bf16(x) - x| <= half an ulp <= 2^-8 |x|
+using k3::testing::kBf16Rel;
 
-// Random BF16-representable activations, never zero.
-std::vector<float> rand_act(Rng& rng, size_t n, double sd = 1.0) {
-  std::vector<float> v(n);
-  for (auto& x : v) {
-    do {
-      x = k3::round_bf16(static_cast<float>(rng.normal() * sd));
-    } while (x == 0.f);
-  }
-  return v;
-}
+using k3::testing::rand_act;
 
 std::vector<bf16> rand_weight(Rng& rng, size_t n, double sd) {
   std::vector<bf16> w(n);

@@ -14,6 +14,7 @@
 #include "core/bf16.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "test_util.h"
 #include "ops/attn_res.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
@@ -28,16 +29,7 @@ using k3::Rng;
 constexpr int64_t kDims[] = {1, 7, 64, 129, 300};
 constexpr int64_t kRows[] = {1, 3, 17};
 
-// Random BF16-representable activations, never zero.
-std::vector<float> rand_act(Rng& rng, size_t n, double sd = 1.0) {
-  std::vector<float> v(n);
-  for (auto& x : v) {
-    do {
-      x = k3::round_bf16(static_cast<float>(rng.normal() * sd));
-    } while (x == 0.f);
-  }
-  return v;
-}
+using k3::testing::rand_act;
 
 // Random BF16 weights around `mean`, never zero.
 std::vector<bf16> rand_w(Rng& rng, size_t n, double sd, double mean = 0.0) {

@@ -14,6 +14,7 @@
 
 #include "core/bf16.h"
 #include "core/rng.h"
+#include "test_util.h"
 #include "ops/kda.h"
 #include "ops/short_conv.h"
 
@@ -23,15 +24,7 @@ using k3::Rng;
 
 constexpr int64_t kTs[] = {1, 3, 17};
 
-std::vector<float> rand_act(Rng& rng, size_t n, double sd = 1.0) {
-  std::vector<float> v(n);
-  for (auto& x : v) {
-    do {
-      x = k3::round_bf16(static_cast<float>(rng.normal() * sd));
-    } while (x == 0.f);
-  }
-  return v;
-}
+using k3::testing::rand_act;
 
 std::vector<float> rand_f32(Rng& rng, size_t n, double sd, double mean = 0.0) {
   std::vector<float> v(n);

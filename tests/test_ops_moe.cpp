@@ -13,6 +13,7 @@
 #include "core/bf16.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "test_util.h"
 #include "ops/moe.h"
 #include "ops/router.h"
 
@@ -21,17 +22,9 @@ namespace {
 using k3::bf16;
 using k3::Rng;
 
-constexpr double kBf16Rel = 1.0 / 256.0;  // round-to-nearest BF16: |bf16(x) - x| <= half an ulp <= 2^-8 |x|
+using k3::testing::kBf16Rel;
 
-std::vector<float> rand_act(Rng& rng, size_t n, double sd = 1.0) {
-  std::vector<float> v(n);
-  for (auto& x : v) {
-    do {
-      x = k3::round_bf16(static_cast<float>(rng.normal() * sd));
-    } while (x == 0.f);
-  }
-  return v;
-}
+using k3::testing::rand_act;
 
 double bf16_of(double x) { return static_cast<double>(k3::round_bf16(static_cast<float>(x))); }
 

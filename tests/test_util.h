@@ -1,0 +1,25 @@
+// Helpers shared by the op tests: random inputs that cannot pass by accident.
+#pragma once
+
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/rng.h"
+
+namespace k3::testing {
+
+// Round-to-nearest BF16: |bf16(x) - x| <= half an ulp <= 2^-8 |x|.
+constexpr double kBf16Rel = 1.0 / 256.0;
+
+// Random BF16-representable activations, normal with deviation sd, never zero.
+inline std::vector<float> rand_act(Rng& rng, size_t n, double sd = 1.0) {
+  std::vector<float> v(n);
+  for (auto& x : v) {
+    do {
+      x = round_bf16(static_cast<float>(rng.normal() * sd));
+    } while (x == 0.f);
+  }
+  return v;
+}
+
+}  // namespace k3::testing
