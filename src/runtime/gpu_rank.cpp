@@ -171,6 +171,41 @@ GpuWeights build_gpu_weights(const ModelConfig& c, const ShardSpec& shard, const
   return g;
 }
 
+GpuWorkspace gpu_workspace(const ModelConfig& c, const GpuRankOptions& o) {
+  GpuWorkspace w;
+  const int G = o.shard.tp_size, Hk = c.kda.num_heads / G, Hm = c.mla.num_heads / G;
+  const int64_t D = c.hidden_size, V = c.vocab_size, R = int64_t{o.max_batch} * o.max_q;
+  const int64_t d = c.kda.head_dim, C = int64_t{Hk} * d, E = c.mla.cache_dim();
+  // Per-layer scratch: an upper bound of every path's intermediates at R rows.
+  const auto& m = c.mla;
+  const int64_t Qr = m.q_lora_rank, Rl = m.kv_lora_rank, dn = m.qk_nope_head_dim, dv = m.v_head_dim;
+  const int64_t Hi = c.dsa ? c.dsa->index_n_heads : 0, Di = c.dsa ? c.dsa->index_head_dim : 0;
+  const int64_t topk = c.dsa ? c.dsa->index_topk : 0;
+  const int64_t Ex = c.moe.num_experts, Lt = c.moe.latent_size, I = c.moe.intermediate_size,
+                Sh = c.moe.shared_intermediate(), k = c.moe.experts_per_token, Idn = c.dense_intermediate_size;
+  const int64_t in_rows = (4 * C + d + Hk + 15) / 16 * 16;
+  size_t kda = align256(R * in_rows * 2) + 3 * align256(R * C * 2) + 2 * align256(R * C * 4) + align256(R * d * 2) +
+               align256(R * C * 2) + align256(R * C * 4) + align256(R * Hk * 4) + align256(R * C * 4) +
+               align256(R * C * 2);
+  size_t mla = align256(R * Qr * 2) + align256(R * Hm * (dn + m.qk_rope_head_dim) * 2) + align256(R * E * 2) +
+               align256(R * Hm * E * 2) + align256(R * Hm * Rl * 4) + align256(R * Hm * 4) +
+               align256(R * Hm * Rl * 2) + 2 * align256(R * Hm * dv * 2) + align256(R * Hi * Di * 2) +
+               align256(R * Hi * 4) + align256(R * Di * 2) + align256(R * o.max_context * 4) +
+               align256(R * topk * 4) + align256(R * 4);
+  size_t moe = align256(R * Ex * 4) + align256(R * k * 4) * 2 + align256(R * Lt * 2) * 2 + align256(R * D * 2) * 2 +
+               align256(2 * R * Sh * 2) + align256(cu::moe_experts_scratch_bytes(R, static_cast<int>(k), Lt, I)) +
+               2 * align256(R * k * Lt * 2);
+  size_t dense = align256(2 * R * Idn * 2);
+  size_t step = align256(R * D * 2) * 3 + align256(R * V * 4);  // gathers and the lm_head slice
+  w.work_bytes = std::max({kda, mla, moe, dense}) + step;
+  w.attention_bytes = std::max(cu::mla_attend_paged_scratch_bytes(o.max_batch, o.max_q, Hm, static_cast<int>(Rl),
+                                                                     static_cast<int>(o.max_context)),
+                                 c.dsa ? cu::mla_attend_indexed_scratch_bytes(R, Hm, static_cast<int>(Rl),
+                                                                              static_cast<int>(topk))
+                                       : size_t{0});
+  return w;
+}
+
 GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions& o, cu::Context& ctx)
     : c_(c), weights_(std::move(weights)), o_(o), ctx_(ctx), plan_(LayerPlan::from(c)) {
   G_ = o.shard.tp_size;
@@ -224,34 +259,10 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
   a_ = DeviceBuffer(R * D * 2);
   f_ = DeviceBuffer(R * D * 2);
   logits_ = DeviceBuffer(R * V * 4);
-  // Per-layer scratch: an upper bound of every path's intermediates at R rows.
-  const auto& m = c.mla;
-  const int64_t Qr = m.q_lora_rank, Rl = m.kv_lora_rank, dn = m.qk_nope_head_dim, dv = m.v_head_dim;
-  const int64_t Hi = c.dsa ? c.dsa->index_n_heads : 0, Di = c.dsa ? c.dsa->index_head_dim : 0;
-  const int64_t topk = c.dsa ? c.dsa->index_topk : 0;
-  const int64_t Ex = c.moe.num_experts, Lt = c.moe.latent_size, I = c.moe.intermediate_size,
-                Sh = c.moe.shared_intermediate(), k = c.moe.experts_per_token, Idn = c.dense_intermediate_size;
-  const int64_t in_rows = (4 * C + d + Hk_ + 15) / 16 * 16;
-  size_t kda = align256(R * in_rows * 2) + 3 * align256(R * C * 2) + 2 * align256(R * C * 4) + align256(R * d * 2) +
-               align256(R * C * 2) + align256(R * C * 4) + align256(R * Hk_ * 4) + align256(R * C * 4) +
-               align256(R * C * 2);
-  size_t mla = align256(R * Qr * 2) + align256(R * Hm_ * (dn + m.qk_rope_head_dim) * 2) + align256(R * E * 2) +
-               align256(R * Hm_ * E * 2) + align256(R * Hm_ * Rl * 4) + align256(R * Hm_ * 4) +
-               align256(R * Hm_ * Rl * 2) + 2 * align256(R * Hm_ * dv * 2) + align256(R * Hi * Di * 2) +
-               align256(R * Hi * 4) + align256(R * Di * 2) + align256(R * o.max_context * 4) +
-               align256(R * topk * 4) + align256(R * 4);
-  size_t moe = align256(R * Ex * 4) + align256(R * k * 4) * 2 + align256(R * Lt * 2) * 2 + align256(R * D * 2) * 2 +
-               align256(2 * R * Sh * 2) + align256(cu::moe_experts_scratch_bytes(R, static_cast<int>(k), Lt, I)) +
-               2 * align256(R * k * Lt * 2);
-  size_t dense = align256(2 * R * Idn * 2);
-  size_t step = align256(R * D * 2) * 3 + align256(R * V * 4);  // gathers and the lm_head slice
-  work_bytes_ = std::max({kda, mla, moe, dense}) + step;
+  const GpuWorkspace ws = gpu_workspace(c, o);
+  work_bytes_ = ws.work_bytes;
   work_ = DeviceBuffer(work_bytes_);
-  attn_scratch_bytes_ = std::max(cu::mla_attend_paged_scratch_bytes(o.max_batch, o.max_q, Hm_, static_cast<int>(Rl),
-                                                                     static_cast<int>(o.max_context)),
-                                 c.dsa ? cu::mla_attend_indexed_scratch_bytes(R, Hm_, static_cast<int>(Rl),
-                                                                              static_cast<int>(topk))
-                                       : size_t{0});
+  attn_scratch_bytes_ = ws.attention_bytes;
   attn_scratch_ = DeviceBuffer(std::max<size_t>(attn_scratch_bytes_, 256));
 }
 

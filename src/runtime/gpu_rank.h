@@ -54,6 +54,16 @@ struct GpuRankOptions {
   bool loopback = false;        // collectives move bytes only (tp_size / world_size > 1)
 };
 
+// Device scratch of a GpuRank, a pure function of the config and the capacities
+// (allocated once, at construction): the per-layer work area (an upper bound of
+// every layer kind's intermediates at max_batch x max_q rows, plus the gathers
+// and the lm_head slice) and the attention kernels' split-K partials.
+struct GpuWorkspace {
+  size_t work_bytes = 0;
+  size_t attention_bytes = 0;
+};
+GpuWorkspace gpu_workspace(const ModelConfig& c, const GpuRankOptions& o);
+
 class GpuRank {
  public:
   GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions& o, ops::cuda::Context& ctx);
