@@ -20,9 +20,10 @@ namespace k3::ops::cuda {
 // x [rows, in] BF16, w [out, in] BF16 -> y [rows, out], BF16 (rounded) or FP32 when y_f32; FP32 accumulation.
 // rows <= kLinearKernelMaxRows: a hand-written kernel streaming W once; more rows: cuBLASLt on
 // ctx.workspace (the kernel again if cuBLASLt has no algorithm). y must not alias x.
-// Measured on the H200 (docs/PERF.md): this kernel takes 36 us on 6288 x 7168 at 4 rows and 195 us at
-// 32 rows, cuBLASLt 31 us at 128 rows; the kernel keeps 1-2 rows (26 us at 1 row, 77% of HBM).
-constexpr int64_t kLinearKernelMaxRows = 2;
+// Measured on the H200 (bench --ops, docs/perf/ops_6a5a50f.log): the kernel wins at 1 row on every
+// K3 per-rank shape (6288 x 7168: 26.1 us against cuBLASLt's 27.0); at 2 rows the winner depends on the
+// shape (within ~1 us on the small ones, cuBLASLt by 10 us on 7168 x 33792); from 4 rows cuBLASLt wins.
+constexpr int64_t kLinearKernelMaxRows = 1;
 int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
            int64_t out);
 // The same with the path forced (benchmarks compare them): Kernel = the hand-written kernel at any row
