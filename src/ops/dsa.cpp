@@ -10,11 +10,6 @@
 #include "ops/dot.h"
 
 namespace k3::ops {
-namespace {
-
-
-}  // namespace
-
 void dsa_index_scores(const float* q_idx, const float* w, const float* const* keys, int64_t n, int Hi, int Di,
                       float* scores) {
   K3_CHECK(n >= 0 && Hi > 0 && Di > 0, "dsa_index_scores: bad sizes n={} Hi={} Di={}", n, Hi, Di);

@@ -10,11 +10,6 @@
 #include "ops/linear.h"
 
 namespace k3::ops {
-namespace {
-
-
-}  // namespace
-
 void situ_glu(const float* a, const float* b, float* out, int64_t n, SituParams p) {
   const float beta = p.beta, lbeta = p.linear_beta;
   for (int64_t i = 0; i < n; ++i) {
