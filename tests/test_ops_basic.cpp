@@ -42,17 +42,8 @@ std::vector<bf16> rand_w(Rng& rng, size_t n, double sd, double mean = 0.0) {
   return w;
 }
 
-std::vector<float> rand_f32(Rng& rng, size_t n, double sd, double mean = 0.0) {
-  std::vector<float> v(n);
-  for (auto& x : v) {
-    do {
-      x = static_cast<float>(mean + rng.normal() * sd);
-    } while (x == 0.f);
-  }
-  return v;
-}
-
-double bf(double x) { return static_cast<double>(k3::round_bf16(static_cast<float>(x))); }
+using k3::testing::bf;
+using k3::testing::rand_f32;
 double wv(const std::vector<bf16>& w, size_t i) { return static_cast<double>(k3::to_float(w[i])); }
 
 double rms_of(const std::vector<double>& r, size_t off, size_t n) {

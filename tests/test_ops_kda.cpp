@@ -26,17 +26,8 @@ constexpr int64_t kTs[] = {1, 3, 17};
 
 using k3::testing::rand_act;
 
-std::vector<float> rand_f32(Rng& rng, size_t n, double sd, double mean = 0.0) {
-  std::vector<float> v(n);
-  for (auto& x : v) {
-    do {
-      x = static_cast<float>(mean + rng.normal() * sd);
-    } while (x == 0.f);
-  }
-  return v;
-}
-
-double bf(double x) { return static_cast<double>(k3::round_bf16(static_cast<float>(x))); }
+using k3::testing::bf;
+using k3::testing::rand_f32;
 double sigmoid(double z) { return 1.0 / (1.0 + std::exp(-z)); }
 
 // |got - ref| <= rel * max(|ref|, rms(ref over each block of `block` values)); with

@@ -67,8 +67,7 @@ std::vector<GenerateResult> generate(Engine& engine, const std::vector<std::vect
   };
   const int max_q = engine.options().max_q;
   for (;;) {
-    auto feeding = std::find_if(live.begin(), live.end(), [](const Live& r) { return !r.done && r.fed < 1; });
-    feeding = std::find_if(live.begin(), live.end(),
+    auto feeding = std::find_if(live.begin(), live.end(),
                            [&](const Live& r) { return r.fed < prompts[r.index].size(); });
     std::vector<int> slots;
     std::vector<int32_t> tokens;

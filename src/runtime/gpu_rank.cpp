@@ -570,7 +570,7 @@ void GpuRank::enqueue(StepKind kind) {
   auto all_gather = [&](const bf16* shard, bf16* all) {
     for (int g = 0; g < G_; ++g) {
       const int64_t g0 = std::min(m, g * cs), n = std::min(m, g0 + cs) - g0;
-      if (n > 0) CUDA_CHECK(cudaMemcpyAsync(all + g0 * D, shard + (g == t ? 0 : 0), n * D * 2,
+      if (n > 0) CUDA_CHECK(cudaMemcpyAsync(all + g0 * D, shard, n * D * 2,
                                             cudaMemcpyDeviceToDevice, s));
     }
   };
