@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/kernels.h"
+#include "bench/trace.h"
 #include "config/schema.h"
 #include "core/cuda.h"
 #include "core/rng.h"
@@ -181,7 +182,20 @@ int run_bench(const BenchArgs& args) {
         const double mn = *std::min_element(us.begin(), us.end()), mx = *std::max_element(us.begin(), us.end());
         fmt::print("{:>7} {:>5} {:>3} {:>7} {:>7} {:>11.1f} {:>11.1f} {:>11.1f} {:>10.1f} {:>11.1f} {:>7.2f}\n", st, B, q,
                    B * q, args.context, med, mn, mx, bytes / 1e6, floor_us, med / floor_us);
-        nlohmann::json breakdown = nlohmann::json::object();
+        // What the GPU does inside one graph replay (CUPTI): operations per step and the time they leave uncovered.
+        const bench::TraceSummary tr = bench::trace_steps([&] { rank.run_graph(kind); }, 5);
+        if (tr.available)
+          fmt::print("          graph: {:.0f} kernels + {:.0f} copies per step; traced span {:.0f}us, busy {:.0f}us, "
+                     "not covered {:.0f}us ({:.1f}%)\n",
+                     tr.kernels, tr.copies, tr.span_us, tr.busy_us, tr.gap_us, 100 * tr.gap_us / tr.span_us);
+        nlohmann::json kernels = nlohmann::json::array();
+        for (size_t i = 0; i < tr.by_kernel.size(); ++i) {
+          const auto& k = tr.by_kernel[i];
+          if (args.profile && i < 12)
+            fmt::print("            {:>9.0f}us {:>5.1f}% {:>5.0f}x {}\n", k.us, 100 * k.us / tr.kernel_us, k.calls,
+                       k.name.substr(0, 90));
+          kernels.push_back({{"name", k.name}, {"calls", k.calls}, {"us", k.us}});
+        }        nlohmann::json breakdown = nlohmann::json::object();
         if (args.profile) {
           std::vector<std::pair<std::string, double>> prof;
           for (int i = 0; i < 3; ++i) prof = rank.profile(kind);  // the last of three eager runs
@@ -211,6 +225,12 @@ int run_bench(const BenchArgs& args) {
                            {"hbm_gbps", bw / 1e9},
                            {"iters", args.iters},
                            {"profile_us", breakdown},
+                           {"kernels_per_step", tr.kernels},
+                           {"copies_per_step", tr.copies},
+                           {"trace_span_us", tr.span_us},
+                           {"trace_busy_us", tr.busy_us},
+                           {"trace_gap_us", tr.gap_us},
+                           {"trace_kernels", kernels},
                            {"commit", args.commit}});
         if (!args.json.empty()) {  // rewritten after every point: a run cut short keeps what it measured
           std::ofstream out(args.json);

@@ -1,0 +1,154 @@
+// CUPTI activity tracing of step replays (trace.h).
+#include "bench/trace.h"
+
+#include <cuda_runtime.h>
+#include <cupti.h>
+#include <cxxabi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace k3::bench {
+namespace {
+
+struct Interval {
+  uint64_t start, end;
+  bool kernel;
+  std::string name;  // kernels
+};
+
+// "ns::kernel<T>(args)" from a mangled name: the demangled name up to its argument list.
+std::string short_name(const char* mangled) {
+  if (mangled == nullptr) return "?";
+  int status = 0;
+  char* d = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string s = status == 0 && d != nullptr ? d : mangled;
+  std::free(d);
+  int depth = 0;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == '<') ++depth;
+    if (s[i] == '>') --depth;
+    if (s[i] == '(' && depth == 0 && s.compare(i, 21, "(anonymous namespace)") != 0) return s.substr(0, i);
+  }
+  return s;
+}
+
+std::vector<Interval>* g_sink = nullptr;  // the replay being traced (tracing is single-threaded)
+
+constexpr size_t kBufferBytes = size_t{8} << 20;
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
+  *size = kBufferBytes;
+  *max_records = 0;
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  CUpti_Activity* rec = nullptr;
+  while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
+    if (g_sink == nullptr) continue;
+    switch (rec->kind) {
+      case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
+      case CUPTI_ACTIVITY_KIND_KERNEL: {
+        const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
+        g_sink->push_back({k->start, k->end, true, short_name(k->name)});
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMCPY: {
+        const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
+        g_sink->push_back({m->start, m->end, false, {}});
+        break;
+      }
+      case CUPTI_ACTIVITY_KIND_MEMSET: {
+        const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
+        g_sink->push_back({m->start, m->end, false, {}});
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  std::free(buffer);
+}
+
+const CUpti_ActivityKind kKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
+                                     CUPTI_ACTIVITY_KIND_MEMSET};
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
+}
+
+}  // namespace
+
+TraceSummary trace_steps(const std::function<void()>& replay, int reps) {
+  TraceSummary out;
+  static bool registered = false;
+  if (!registered) {
+    if (cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed) != CUPTI_SUCCESS) return out;
+    registered = true;
+  }
+  std::vector<double> kernels, copies, kernel_us, busy, span;
+  std::vector<Interval> iv;
+  std::map<std::string, std::pair<double, double>> per_kernel;  // name -> (calls, us) over all replays
+  for (int r = 0; r < reps; ++r) {
+    if (cudaDeviceSynchronize() != cudaSuccess) return out;
+    iv.clear();
+    g_sink = &iv;
+    bool ok = true;
+    for (auto k : kKinds) ok = ok && cuptiActivityEnable(k) == CUPTI_SUCCESS;
+    if (ok) replay();
+    const bool synced = cudaDeviceSynchronize() == cudaSuccess;
+    for (auto k : kKinds) cuptiActivityDisable(k);
+    cuptiActivityFlushAll(1);
+    g_sink = nullptr;
+    if (!ok || !synced || iv.empty()) return out;
+    std::sort(iv.begin(), iv.end(), [](const Interval& a, const Interval& b) { return a.start < b.start; });
+    double nk = 0, kus = 0, covered = 0;
+    uint64_t cur_s = iv[0].start, cur_e = iv[0].end, last = 0;
+    for (const Interval& i : iv) {
+      nk += i.kernel;
+      if (i.kernel) {
+        kus += (i.end - i.start) * 1e-3;
+        auto& [calls, us] = per_kernel[i.name];
+        calls += 1;
+        us += (i.end - i.start) * 1e-3;
+      }
+      if (i.start > cur_e) {
+        covered += (cur_e - cur_s) * 1e-3;
+        cur_s = i.start;
+        cur_e = i.end;
+      } else {
+        cur_e = std::max(cur_e, i.end);
+      }
+      last = std::max(last, i.end);
+    }
+    covered += (cur_e - cur_s) * 1e-3;
+    kernels.push_back(nk);
+    copies.push_back(static_cast<double>(iv.size()) - nk);
+    kernel_us.push_back(kus);
+    busy.push_back(covered);
+    span.push_back((last - iv[0].start) * 1e-3);
+  }
+  out.available = true;
+  out.kernels = median(kernels);
+  out.copies = median(copies);
+  out.kernel_us = median(kernel_us);
+  out.busy_us = median(busy);
+  out.span_us = median(span);
+  std::vector<double> gaps;
+  for (size_t i = 0; i < span.size(); ++i) gaps.push_back(span[i] - busy[i]);
+  out.gap_us = median(gaps);
+  for (const auto& [name, cu] : per_kernel) out.by_kernel.push_back({name, cu.first / reps, cu.second / reps});
+  std::sort(out.by_kernel.begin(), out.by_kernel.end(),
+            [](const TraceSummary::Kernel& a, const TraceSummary::Kernel& b) { return a.us > b.us; });
+  return out;
+}
+
+}  // namespace k3::bench

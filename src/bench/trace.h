@@ -1,0 +1,34 @@
+// Step trace (bench-only): what the GPU does during one replay of a step, from CUPTI's activity
+// records (kernels, memcpy and memset, with GPU timestamps):
+//   kernels, copies:  operations per step (a step is one CUDA graph: these are its nodes that ran);
+//   busy_us:          the union of the operations' [start, end] intervals;
+//   span_us:          first start to last end;
+//   gap_us:           span - busy, the time inside the step not covered by any kernel or copy
+//                     (launch latency between dependent nodes, host work, waits).
+// Each replay is traced on its own (CUPTI enabled around it, flushed after); the summary is the
+// median over replays. Tracing adds overhead per operation, so trace times are reported beside the
+// untraced CUDA-event medians, not in their place.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace k3::bench {
+
+struct TraceSummary {
+  bool available = false;  // false: CUPTI could not be enabled (the fields are 0)
+  double kernels = 0, copies = 0;
+  double kernel_us = 0;  // sum of kernel durations
+  double busy_us = 0, span_us = 0, gap_us = 0;
+  struct Kernel {
+    std::string name;  // demangled, without the argument list
+    double calls = 0, us = 0;  // per step (mean over the traced replays)
+  };
+  std::vector<Kernel> by_kernel;  // descending time
+};
+
+// Runs `replay` (it enqueues one step; tracing synchronizes the device after it) `reps` times under CUPTI.
+TraceSummary trace_steps(const std::function<void()>& replay, int reps);
+
+}  // namespace k3::bench

@@ -1,0 +1,417 @@
+// moe_experts on the GPU (math in moe.h): the routed experts of one rank, grouped by expert.
+//
+// Four kernels on the stream (no host synchronization):
+//   plan:    one CTA groups the (row, j) pairs whose expert is local by expert (counts, scans, the
+//            slots of the experts in use, the pair list);
+//   up:      tensor cores (mma.sync m16n8k16, BF16 in, FP32 accumulate): per (slot, 16 rows of I),
+//            h[pair] = bf16(situ(bf16(W1 z), bf16(W3 z))) for the slot's pairs, 8 pairs per token tile;
+//   down:    per (slot, 32 rows of L): o[pair] = bf16(W2 h[pair]);
+//   combine: y[r, i] = bf16(sum_j w[r, j] o[(r, j), i]) over the local j in order, unfused FP32 as the CPU.
+// W4A16: each lane loads 16 packed bytes (one 32-value scale group) of a weight row per 128-value
+// chunk and dequantizes them exactly to BF16 in registers (E2M1 magnitudes from PRMT byte tables,
+// times the E8M0 power of two: exact), so the tensor-core products are the exact dequantized
+// products; only the FP32 summation order differs from the CPU. A CTA is 4 warps splitting K, their
+// partials summed in warp order through shared memory (deterministic). The weight stream is
+// software-pipelined one chunk ahead; a CTA walks a contiguous range of (slot, tile) items.
+#include <algorithm>
+
+#include "ops/cuda_bf16.cuh"
+#include "ops/moe.h"
+#include "ops/moe_device.cuh"
+
+namespace k3::ops::cuda {
+namespace {
+
+using detail::aligned16;
+using detail::kWarp;
+
+
+// The routing plan in scratch (int32): n_active, then [pairs] each of slot_expert, slot_begin,
+// slot_count (slots of the experts in use, ascending expert) and pair_list (pair ids grouped by slot).
+struct Plan {
+  int* n_active;
+  int* slot_expert;
+  int* slot_begin;
+  int* slot_count;
+  int* pair_list;
+};
+
+__host__ __device__ inline Plan plan_at(void* scratch, int64_t pairs) {
+  int* m = static_cast<int*>(scratch);
+  return Plan{m, m + 1, m + 1 + pairs, m + 1 + 2 * pairs, m + 1 + 3 * pairs};
+}
+
+// Exclusive block scan of (a, b); totals returned too. Every thread calls it; ends with a barrier.
+__device__ void block_exclusive_scan2(int& a, int& b, int& total_a, int& total_b, int (*wt)[2]) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  int ia = a, ib = b;
+#pragma unroll
+  for (int o = 1; o < kWarp; o *= 2) {
+    const int ta = __shfl_up_sync(0xffffffffu, ia, o), tb = __shfl_up_sync(0xffffffffu, ib, o);
+    if (lane >= o) ia += ta, ib += tb;
+  }
+  if (lane == kWarp - 1) wt[warp][0] = ia, wt[warp][1] = ib;
+  __syncthreads();
+  if (warp == 0) {
+    int wa = lane < warps ? wt[lane][0] : 0, wb = lane < warps ? wt[lane][1] : 0;
+#pragma unroll
+    for (int o = 1; o < kWarp; o *= 2) {
+      const int ta = __shfl_up_sync(0xffffffffu, wa, o), tb = __shfl_up_sync(0xffffffffu, wb, o);
+      if (lane >= o) wa += ta, wb += tb;
+    }
+    if (lane < warps) wt[lane][0] = wa, wt[lane][1] = wb;  // inclusive over warps
+  }
+  __syncthreads();
+  const int base_a = warp > 0 ? wt[warp - 1][0] : 0, base_b = warp > 0 ? wt[warp - 1][1] : 0;
+  a = base_a + ia - a;
+  b = base_b + ib - b;
+  total_a = wt[warps - 1][0];
+  total_b = wt[warps - 1][1];
+  __syncthreads();
+}
+
+constexpr int kPlanThreads = 1024;
+
+__global__ void __launch_bounds__(kPlanThreads)
+    moe_plan_kernel(const int32_t* __restrict__ idx, int64_t pairs, int expert_begin, int expert_count, Plan plan) {
+  extern __shared__ int plan_smem[];  // cnt [expert_count], cursor [expert_count]
+  __shared__ int wt[kPlanThreads / kWarp][2];
+  int* cnt = plan_smem;
+  int* cursor = plan_smem + expert_count;
+  for (int e = threadIdx.x; e < expert_count; e += blockDim.x) cnt[e] = 0;
+  __syncthreads();
+  for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int64_t e = static_cast<int64_t>(idx[p]) - expert_begin;
+    if (e >= 0 && e < expert_count) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  // Each thread scans a contiguous range of experts: pair offsets and slots of the experts in use.
+  const int per = (expert_count + blockDim.x - 1) / blockDim.x;
+  const int lo = min(expert_count, static_cast<int>(threadIdx.x) * per), hi = min(expert_count, lo + per);
+  int a = 0, b = 0;
+  for (int e = lo; e < hi; ++e) a += cnt[e], b += cnt[e] > 0;
+  int total_a, total_b;
+  block_exclusive_scan2(a, b, total_a, total_b, wt);
+  for (int e = lo; e < hi; ++e) {
+    if (cnt[e] == 0) continue;
+    plan.slot_expert[b] = e;
+    plan.slot_begin[b] = a;
+    plan.slot_count[b] = cnt[e];
+    cursor[e] = a;
+    a += cnt[e];
+    ++b;
+  }
+  if (threadIdx.x == 0) *plan.n_active = total_b;
+  __syncthreads();
+  // Pair order inside an expert's group follows the atomics; every pair is computed alone, so results do not.
+  for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
+    const int64_t e = static_cast<int64_t>(idx[p]) - expert_begin;
+    if (e >= 0 && e < expert_count) plan.pair_list[atomicAdd(&cursor[e], 1)] = static_cast<int>(p);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core expert GEMMs
+
+// Tokens (pairs) per 8-column tile of mma.m16n8k16, and split-K warps per CTA.
+constexpr int kTokTile = 8;
+constexpr int kSplitK = 4;
+constexpr int kMmaThreads = kSplitK * kWarp;
+constexpr int kChunkK = 128;  // K values per warp step: one 32-value scale group per lane of a quad
+
+// 8 E2M1 nibbles of w (nibble i = value i, low nibble first) -> 4 BF16x2 words (word p = values 2p, 2p+1,
+// the lower value in the low half), exact. The magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6) come from two byte
+// tables by PRMT (high bytes 00 3F 3F 3F 40 40 40 40, low bytes 00 00 80 C0 00 40 80 C0); the sign bit of
+// each nibble is moved to bit 15 / 31 by a third PRMT.
+__device__ __forceinline__ void e2m1x8_to_bf16x8(uint32_t w, uint32_t (&out)[4]) {
+  const uint32_t mag = w & 0x77777777u;  // selector nibbles with bit 3 clear: plain byte picks
+  const uint32_t hi_a = __byte_perm(0x3F3F3F00u, 0x40404040u, mag);
+  const uint32_t lo_a = __byte_perm(0xC0800000u, 0xC0804000u, mag);
+  const uint32_t hi_b = __byte_perm(0x3F3F3F00u, 0x40404040u, mag >> 16);
+  const uint32_t lo_b = __byte_perm(0xC0800000u, 0xC0804000u, mag >> 16);
+  const uint32_t t = w & 0x88888888u, t4 = t << 4;  // low nibble signs at byte msbs in t4, high nibble signs in t
+  out[0] = __byte_perm(lo_a, hi_a, 0x5140) | (__byte_perm(t4, t, 0x4000) & 0x80008000u);
+  out[1] = __byte_perm(lo_a, hi_a, 0x7362) | (__byte_perm(t4, t, 0x5010) & 0x80008000u);
+  out[2] = __byte_perm(lo_b, hi_b, 0x5140) | (__byte_perm(t4, t, 0x6020) & 0x80008000u);
+  out[3] = __byte_perm(lo_b, hi_b, 0x7362) | (__byte_perm(t4, t, 0x7030) & 0x80008000u);
+}
+
+// E8M0 scale byte -> 2^(s - 127) as BF16x2 (both halves): s << 7 is that BF16 for s in 1..255 (255: inf,
+// as ldexp on the CPU); s = 0 is the subnormal 2^-127.
+__device__ __forceinline__ __nv_bfloat162 e8m0_bf16x2(uint32_t s) {
+  const uint32_t b = s == 0 ? 0x0040u : (s << 7);
+  const uint32_t w = b | (b << 16);
+  return *reinterpret_cast<const __nv_bfloat162*>(&w);
+}
+
+__device__ __forceinline__ uint32_t scale_bf16x2(uint32_t v, __nv_bfloat162 s) {
+  __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&v);
+  x = __hmul2(x, s);  // a power of two: exact
+  return *reinterpret_cast<const uint32_t*>(&x);
+}
+
+// A 16-byte read-only load that asks L2 to fetch the surrounding 256 bytes: a weight row is read in
+// 64-byte steps, so the next three chunks of the row are on their way when this one arrives.
+__device__ __forceinline__ uint4 ldg_l2_256(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One CTA item = (slot, tile of output features); the CTA's kSplitK warps split K, each over whole
+// kChunkK steps. UP: the tile is 16 rows of W1 and the same 16 rows of W3 (the two A operands share the
+// B fragments), epilogue h = bf16(situ(bf16(W1 z), bf16(W3 z))); DOWN: the tile is 32 rows of W2 (two
+// A operands), epilogue o = bf16(W2 h). NT token tiles of 8 pairs per pass over K (more pairs: more passes).
+//
+// Fragments (lane = 4 g + t): lane t of a quad owns the 32-value scale group t of each 128-value chunk,
+// for weight rows g and g + 8 of each A operand, and the same 32 activation values of token g of each
+// token tile. mma step s in 0..7 takes values 4s..4s+3 of those 32 as its k slots {2t, 2t+1, 2t+8, 2t+9}
+// for A and B alike: a sum over k is order-free, so any consistent assignment is the same product.
+template <int NT, bool UP>
+__global__ void __launch_bounds__(kMmaThreads)
+    moe_mma_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
+                   int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
+  constexpr int kAcc = 2 * NT * 4;  // two A operands x NT token tiles x 4 accumulators per lane
+  __shared__ float part[kSplitK][kAcc][kWarp];
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
+  const int64_t items = static_cast<int64_t>(*plan.n_active) * tiles_per_slot;
+  const int64_t per = (items + gridDim.x - 1) / gridDim.x;
+  const int64_t i_begin = static_cast<int64_t>(blockIdx.x) * per, i_end = min(items, i_begin + per);
+  const int64_t chunks = (K + kChunkK - 1) / kChunkK, wchunks = (chunks + kSplitK - 1) / kSplitK;
+  const int64_t c_begin = min(chunks, warp * wchunks), c_end = min(chunks, c_begin + wchunks);
+  const int64_t row_bytes = K / 2, row_scales = K / 32;
+  const int tg = 32 * t < K ? t : 0;  // the lane's group in a chunk; a lane with none (K < 128) reads group 0
+  for (int64_t item = i_begin; item < i_end; ++item) {
+    const int slot = static_cast<int>(item / tiles_per_slot);
+    const int64_t tile = item % tiles_per_slot;
+    const int e = plan.slot_expert[slot], begin = plan.slot_begin[slot], count = plan.slot_count[slot];
+    // A rows: [operand][row g, row g + 8].
+    const uint8_t* ap[2][2];
+    const uint8_t* as[2][2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const uint8_t* base = UP ? (m == 0 ? ex.w1_packed[e] : ex.w3_packed[e]) : ex.w2_packed[e];
+      const uint8_t* sbase = UP ? (m == 0 ? ex.w1_scale[e] : ex.w3_scale[e]) : ex.w2_scale[e];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t row = min(N - 1, (UP ? tile * 16 : tile * 32 + 16 * m) + g + 8 * h);
+        ap[m][h] = base + row * row_bytes + 16 * tg;
+        as[m][h] = sbase + row * row_scales + tg;
+      }
+    }
+    for (int t0 = 0; t0 < count; t0 += kTokTile * NT) {
+      const int nt = min(NT, (count - t0 + kTokTile - 1) / kTokTile);  // warp-uniform
+      const bf16* xr[NT];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int tok = min(count - 1, t0 + kTokTile * j + g);  // columns past count repeat a real token
+        const int64_t pair = plan.pair_list[begin + tok];
+        xr[j] = x + (UP ? pair / k : pair) * K + 32 * tg;
+      }
+      float acc[2][NT][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
+      // Weights (HBM) and activations (L2) of the next chunk are loaded before the current one is used.
+      // Loads are unconditional so they issue together: a lane's group past K reads one inside the row
+      // instead (finite values that meet zero weights).
+      uint4 wq[2][2], xb[NT][4];
+      uint32_t ws[2][2];
+      auto load = [&](int64_t c, uint4 (&q)[2][2], uint32_t (&s)[2][2], uint4 (&b)[NT][4]) {
+        const bool ok = c < c_end && c * kChunkK + 32 * t < K;
+        const int64_t cw = ok ? c : 0;
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            q[m][h] = ldg_l2_256(ap[m][h] + cw * (kChunkK / 2));
+            s[m][h] = __ldg(as[m][h] + cw * (kChunkK / 32));
+            if (!ok) q[m][h] = make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) b[j][v] = __ldg(reinterpret_cast<const uint4*>(xr[j] + cw * kChunkK) + v);
+      };
+      load(c_begin, wq, ws, xb);
+      for (int64_t c = c_begin; c < c_end; ++c) {
+        uint4 cq[2][2], cb[NT][4];
+        uint32_t cs[2][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) cq[m][h] = wq[m][h], cs[m][h] = ws[m][h];
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) cb[j][v] = xb[j][v];
+        load(c + 1, wq, ws, xb);
+        __nv_bfloat162 sc[2][2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) sc[m][h] = e8m0_bf16x2(cs[m][h]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // word q of each lane's 16 bytes: values 8q..8q+7, mma steps 2q, 2q+1
+          uint32_t a[2][2][4];
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint4 v = cq[m][h];
+              e2m1x8_to_bf16x8(q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[m][h]);
+#pragma unroll
+              for (int p = 0; p < 4; ++p) a[m][h][p] = scale_bf16x2(a[m][h][p], sc[m][h]);
+            }
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            if (j < nt) {
+              const uint4 b = cb[j][q];
+#pragma unroll
+              for (int m = 0; m < 2; ++m) {
+                mma_bf16_16816(acc[m][j], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b.x, b.y);
+                mma_bf16_16816(acc[m][j], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b.z, b.w);
+              }
+            }
+          }
+        }
+      }
+      // Split-K: the warps' partials meet in shared memory and are summed in warp order.
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) part[warp][(m * NT + j) * 4 + i][lane] = acc[m][j][i];
+      __syncthreads();
+      constexpr int kOut = (UP ? 1 : 2) * NT * 4 * kWarp;  // output values of the item (UP: pairs of W1, W3)
+      for (int o = threadIdx.x; o < kOut; o += kMmaThreads) {
+        const int ln = o % kWarp, i = (o / kWarp) % 4, j = (o / (4 * kWarp)) % NT, m = o / (4 * kWarp * NT);
+        if (j >= nt) continue;
+        const int tok = t0 + kTokTile * j + 2 * (ln & 3) + (i & 1);
+        const int64_t n = (UP ? tile * 16 : tile * 32 + 16 * m) + (ln >> 2) + 8 * (i >> 1);
+        if (tok >= count || n >= N) continue;
+        const int64_t pair = plan.pair_list[begin + tok];
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int w = 0; w < kSplitK; ++w) {
+          s0 += part[w][(m * NT + j) * 4 + i][ln];
+          if (UP) s1 += part[w][(NT + j) * 4 + i][ln];
+        }
+        const float v = UP ? detail::situ_dev(detail::round_bf16_dev(s0), detail::round_bf16_dev(s1), sp) : s0;
+        out[pair * N + n] = detail::float_to_bf16(v);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// CTAs of moe_mma_kernel<NT, UP> resident per SM (queried once per instantiation and device).
+template <int NT, bool UP>
+int mma_ctas_per_sm() {
+  static int cached[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 2;
+  if (cached[dev] == 0) {
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, moe_mma_kernel<NT, UP>, kMmaThreads, 0) != cudaSuccess ||
+        n <= 0)
+      n = 1;
+    cached[dev] = n;
+  }
+  return cached[dev];
+}
+
+template <int NT, bool UP>
+int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K, int64_t N,
+               int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
+  const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
+  const int64_t blocks = std::min<int64_t>(max_slots * tiles, int64_t{sms} * mma_ctas_per_sm<NT, UP>());
+  moe_mma_kernel<NT, UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads, 0, s>>>(
+      x, plan, ex, out, k, K, N, tiles, sp);
+  return cudaGetLastError();
+}
+
+template <bool UP>
+int launch_mma_nt(int nt, const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K,
+                  int64_t N, int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
+  if (nt <= 1) return launch_mma<1, UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
+  if (nt <= 2) return launch_mma<2, UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
+  return launch_mma<3, UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
+}
+
+// y[r, i] = bf16(sum over local j, in order, of w[r, j] * o[(r, j), i]); 0 for a row with none.
+__global__ void moe_combine_kernel(const bf16* __restrict__ o, const int32_t* __restrict__ idx,
+                                   const float* __restrict__ w, int expert_begin, int expert_count, bf16* __restrict__ y,
+                                   int64_t rows, int k, int64_t L) {
+  const int64_t total = rows * L;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total;
+       t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = t / L, i = t % L;
+    float acc = 0.f;
+    for (int j = 0; j < k; ++j) {
+      const int64_t pair = r * k + j;
+      const int64_t e = static_cast<int64_t>(idx[pair]) - expert_begin;
+      if (e >= 0 && e < expert_count) acc = __fadd_rn(acc, __fmul_rn(w[pair], detail::bf16_to_float(o[pair * L + i])));
+    }
+    y[t] = detail::float_to_bf16(acc);
+  }
+}
+
+
+unsigned grid_for(int64_t threads_needed, int threads_per_block, int cap_blocks) {
+  const int64_t b = (threads_needed + threads_per_block - 1) / threads_per_block;
+  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, cap_blocks)));
+}
+
+}  // namespace
+
+int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const float* w, const Mxfp4ExpertTable& experts,
+                int expert_begin, int expert_count, bf16* y, void* scratch, int64_t rows, int k, int64_t L, int64_t I,
+                SituParams p) {
+  if (rows < 0 || k <= 0 || L <= 0 || I <= 0 || L % 32 != 0 || I % 32 != 0) return cudaErrorInvalidValue;
+  if (expert_count < 0 || expert_count > kMoeMaxLocalExperts) return cudaErrorInvalidValue;
+  if (rows * k > 0x7fffffff) return cudaErrorInvalidValue;
+  if (rows == 0) return cudaSuccess;
+  if (!aligned16(z) || !aligned16(scratch)) return cudaErrorMisalignedAddress;
+  const cudaStream_t s = ctx.stream;
+  const int64_t pairs = rows * k;
+  const size_t meta_bytes = (static_cast<size_t>(4 * (1 + 4 * pairs)) + 255) / 256 * 256;
+  const Plan plan = plan_at(scratch, pairs);
+  bf16* h = reinterpret_cast<bf16*>(static_cast<char*>(scratch) + meta_bytes);
+  bf16* o = h + (pairs * I + 127) / 128 * 128;  // the 256-byte aligned offset of moe_experts_scratch_bytes
+
+  const size_t plan_smem = 2 * static_cast<size_t>(expert_count) * sizeof(int);
+  moe_plan_kernel<<<1, kPlanThreads, plan_smem, s>>>(idx, pairs, expert_begin, expert_count, plan);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+
+  const int sms = ctx.sm_count > 0 ? ctx.sm_count : 132;
+  const int64_t max_slots = std::min<int64_t>(expert_count, pairs);
+  if (max_slots > 0) {
+    // Token tiles per pass (1 to 3: registers hold the next chunk's activations), for the mean pairs per
+    // used expert plus headroom; more pairs take more passes, whose weight re-reads come from L2.
+    const int64_t mean = (pairs + max_slots - 1) / max_slots;
+    const int nt = mean <= 4 ? 1 : mean <= 12 ? 2 : 3;
+    if (const int e = launch_mma_nt<true>(nt, z, plan, experts, h, k, L, I, max_slots, p, sms, s); e != 0) return e;
+    if (const int e = launch_mma_nt<false>(nt, h, plan, experts, o, k, I, L, max_slots, p, sms, s); e != 0) return e;
+  }
+  moe_combine_kernel<<<grid_for(rows * L, 256, 8 * sms), 256, 0, s>>>(o, idx, w, expert_begin, expert_count, y,
+                                                                     rows, k, L);
+  return cudaGetLastError();
+}
+
+}  // namespace k3::ops::cuda
