@@ -13,7 +13,7 @@
 //     BF16 hi + lo parts (two MMAs, ~16 mantissa bits: the FP32 weights of the CPU within
 //     ~1e-5) and O's 512 columns split over the warps. Each chunk writes (o / l, m + log l),
 //     and lse_merge combines the chunks exactly as it merges DCP partials.
-//   lse_merge: one CTA per (token, head); weights exp(lse_i - max) / sum as the CPU.
+//   lse_merge: one CTA per (token, head, 128 columns); weights exp(lse_i - max) / sum as the CPU.
 //   mla_unabsorb: one warp per output row of W_uv, 8 tokens per CTA from shared memory.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -122,41 +122,44 @@ __global__ void __launch_bounds__(kUnWarps * 32)
 constexpr int kMergeThreads = 128;
 constexpr int kMaxMergeParts = 4096;
 
+// CTA (th, column block): the parts' lse go to shared memory in one parallel pass; every thread then
+// forms the max and the sum over them in the CPU's order (from shared memory, fast) and merges its
+// column of the block. A serial pass over global memory per thread was latency bound (~50 us at the
+// 64 splits of one 8k context).
 __global__ void __launch_bounds__(kMergeThreads)
     lse_merge_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH, int R,
                      float* __restrict__ o, float* __restrict__ lse) {
   extern __shared__ float mw[];  // [D] weights, [D] the parts' lse
   float* ls = mw + D;
   const int64_t th = blockIdx.x;  // t * H + h
-  // Every thread computes the max and the sum in the CPU's order (D is small).
+  for (int d = threadIdx.x; d < D; d += kMergeThreads) ls[d] = lse_parts[d * TH + th];
+  __syncthreads();
   float m = -INFINITY;
   bool any = false;
   for (int d = 0; d < D; ++d) {
-    const float l = lse_parts[d * TH + th];
+    const float l = ls[d];
     if (l == -INFINITY) continue;
     any = true;
     if (l > m) m = l;  // a NaN lse never becomes m but poisons the sum below
   }
   float* oh = o + th * R;
+  const int r = blockIdx.y * kMergeThreads + threadIdx.x;
   if (!any) {
-    for (int r = threadIdx.x; r < R; r += kMergeThreads) oh[r] = 0.f;
-    if (threadIdx.x == 0) lse[th] = -INFINITY;
+    if (r < R) oh[r] = 0.f;
+    if (blockIdx.y == 0 && threadIdx.x == 0) lse[th] = -INFINITY;
     return;
   }
   float sum = 0.f;
   for (int d = 0; d < D; ++d) {
-    const float l = lse_parts[d * TH + th];
+    const float l = ls[d];
     if (l == -INFINITY) continue;
     sum += expf(l - m);
   }
   const float inv_sum = 1.f / sum;
-  for (int d = threadIdx.x; d < D; d += kMergeThreads) {
-    const float l = lse_parts[d * TH + th];
-    ls[d] = l;
-    mw[d] = l == -INFINITY ? 0.f : expf(l - m) * inv_sum;
-  }
+  __syncthreads();  // every thread has read ls for the max and the sum
+  for (int d = threadIdx.x; d < D; d += kMergeThreads) mw[d] = ls[d] == -INFINITY ? 0.f : expf(ls[d] - m) * inv_sum;
   __syncthreads();
-  for (int r = threadIdx.x; r < R; r += kMergeThreads) {
+  if (r < R) {
     float acc = 0.f;
     for (int d = 0; d < D; ++d) {
       if (ls[d] == -INFINITY) continue;  // skipped entirely, as the CPU does
@@ -164,7 +167,7 @@ __global__ void __launch_bounds__(kMergeThreads)
     }
     oh[r] = acc;
   }
-  if (threadIdx.x == 0) lse[th] = m + logf(sum);
+  if (blockIdx.y == 0 && threadIdx.x == 0) lse[th] = m + logf(sum);
 }
 
 int launch_lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, int H, int R, float* o, float* lse,
@@ -174,7 +177,8 @@ int launch_lse_merge(const float* o_parts, const float* lse_parts, int D, int64_
   if (TH == 0) return cudaSuccess;
   if (TH > 0x7fffffffLL) return cudaErrorInvalidValue;
   const size_t smem = sizeof(float) * 2 * static_cast<size_t>(D);
-  lse_merge_kernel<<<static_cast<unsigned>(TH), kMergeThreads, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
+  const dim3 grid(static_cast<unsigned>(TH), static_cast<unsigned>((R + kMergeThreads - 1) / kMergeThreads));
+  lse_merge_kernel<<<grid, kMergeThreads, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
   return cudaGetLastError();
 }
 

@@ -1,9 +1,5 @@
-// CUDA MoE router (math in router.h). One warp per row: the lanes write the row's biased scores
-// (s + bias, NaN as -inf) to shared memory, then k rounds each pick the best untaken expert with
-// a strided scan and a warp-shuffle argmax under the CPU's order (score desc, index asc), marking
-// it taken (NaN). Lane 0 lists the experts in that order, sums their unbiased s in the same order
-// and writes the weights with the CPU's expression.
-#include <algorithm>
+// CUDA MoE router (math in router.h): one CTA per row (route_kernel below). One warp per row was
+// latency bound (k serial rounds over E / 32 keys per lane: about 40 us per call for K3's 896 experts).
 #include <cmath>
 
 #include "ops/cuda_bf16.cuh"
@@ -14,8 +10,7 @@ namespace {
 
 using detail::kWarp;
 
-constexpr int kRouteMaxWarps = 4;
-constexpr int kRouteSmemBytes = 48 * 1024;
+constexpr int kRouteThreads = 256;
 
 __device__ __forceinline__ float sigmoid_ref(float x) { return 1.f / (1.f + expf(-x)); }
 
@@ -26,28 +21,31 @@ __device__ __forceinline__ bool better(float v, int e, float bv, int be) {
   return v > bv || (v == bv && e < be);
 }
 
-__global__ void __launch_bounds__(kRouteMaxWarps * kWarp)
-    route_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int64_t T, int E, int k,
-                 bool renormalize, float scale, int32_t* __restrict__ idx, float* __restrict__ w) {
-  extern __shared__ float keys_all[];  // [warps][E]
+// One CTA per row: the row's biased scores live in shared memory; each of the k rounds finds the best
+// untaken expert with a strided scan per thread, a warp-shuffle argmax and one across the warps, under
+// the CPU's order (score desc, index asc), and marks it taken (NaN). Thread 0 lists the experts in that
+// order, sums their unbiased s in the same order and writes the weights with the CPU's expression.
+__global__ void __launch_bounds__(kRouteThreads)
+    route_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k, bool renormalize,
+                 float scale, int32_t* __restrict__ idx, float* __restrict__ w) {
+  extern __shared__ float key[];  // [E]
+  __shared__ float wv[kRouteThreads / kWarp];
+  __shared__ int we[kRouteThreads / kWarp];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + warp;
-  if (t >= T) return;  // whole warps; no block-wide barrier below
-  float* key = keys_all + static_cast<int64_t>(warp) * E;
+  const int64_t t = blockIdx.x;
   const float* lt = logits + t * E;
-  for (int e = lane; e < E; e += kWarp) {
+  for (int e = threadIdx.x; e < E; e += kRouteThreads) {
     const float b = sigmoid_ref(lt[e]) + (bias != nullptr ? bias[e] : 0.f);
     key[e] = isnan(b) ? -INFINITY : b;
   }
-  __syncwarp();
-
+  __syncthreads();
   int32_t* it = idx + t * k;
   float* wt = w + t * k;
   float sum = 0.f;
   for (int i = 0; i < k; ++i) {
     float bv = -INFINITY;
     int be = -1;
-    for (int e = lane; e < E; e += kWarp) {
+    for (int e = threadIdx.x; e < E; e += kRouteThreads) {
       const float v = key[e];
       if (!isnan(v) && better(v, e, bv, be)) bv = v, be = e;  // NaN: taken in an earlier round
     }
@@ -57,17 +55,21 @@ __global__ void __launch_bounds__(kRouteMaxWarps * kWarp)
       const int oe = __shfl_xor_sync(0xffffffffu, be, o);
       if (better(ov, oe, bv, be)) bv = ov, be = oe;
     }
-    // A strict total order: every lane holds the same winner, and k <= E guarantees one.
-    if (lane == 0) {
+    if (lane == 0) wv[warp] = bv, we[warp] = be;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      // A strict total order: the winner is unique, and k <= E guarantees one.
+      for (int j = 1; j < kRouteThreads / kWarp; ++j)
+        if (better(wv[j], we[j], bv, be)) bv = wv[j], be = we[j];
       key[be] = NAN;
       const float s = sigmoid_ref(lt[be]);
       it[i] = be;
       wt[i] = s;
       sum += s;
     }
-    __syncwarp();
+    __syncthreads();
   }
-  if (lane == 0) {
+  if (threadIdx.x == 0) {
     for (int i = 0; i < k; ++i) wt[i] = renormalize ? wt[i] / (sum + 1e-20f) * scale : wt[i] * scale;
   }
 }
@@ -78,12 +80,10 @@ int route(const float* logits, const float* bias, int64_t T, int E, int k, bool 
           int32_t* idx, float* w, CUstream_st* stream) {
   if (T < 0 || E <= 0 || k <= 0 || k > E || E > kRouteMaxExperts) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  const int warps = std::clamp(kRouteSmemBytes / (E * static_cast<int>(sizeof(float))), 1, kRouteMaxWarps);
-  const int64_t blocks = (T + warps - 1) / warps;
-  if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-  const size_t smem = static_cast<size_t>(warps) * E * sizeof(float);
-  route_kernel<<<static_cast<unsigned>(blocks), warps * kWarp, smem, stream>>>(logits, bias, T, E, k, renormalize,
-                                                                               scale, idx, w);
+  if (T > 0x7fffffff) return cudaErrorInvalidValue;
+  const size_t smem = static_cast<size_t>(E) * sizeof(float);  // <= 48 KiB: E <= kRouteMaxExperts
+  route_kernel<<<static_cast<unsigned>(T), kRouteThreads, smem, stream>>>(logits, bias, E, k, renormalize, scale, idx,
+                                                                          w);
   return cudaGetLastError();
 }
 

@@ -20,8 +20,8 @@ namespace k3::ops::cuda {
 
 // logits [T, E] FP32, bias [E] F32 or null -> idx [T, k] int32, w [T, k] FP32: the CPU route exactly
 // (selection by biased score desc, ties to the lower index, NaN as -inf; weights in selection order).
-// One warp per row; E <= kRouteMaxExperts.
-constexpr int kRouteMaxExperts = 12288;
+// One CTA per row; E <= kRouteMaxExperts.
+constexpr int kRouteMaxExperts = 12032;  // the scores in 48 KiB of shared memory
 int route(const float* logits, const float* bias, int64_t T, int E, int k, bool renormalize, float scale,
           int32_t* idx, float* w, CUstream_st* stream);
 
