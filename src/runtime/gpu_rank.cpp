@@ -6,6 +6,7 @@
 
 #include "config/schema.h"
 #include "ops/attn_res.h"
+#include "ops/dcp.h"
 #include "ops/dsa.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
@@ -196,6 +197,12 @@ GpuWorkspace gpu_workspace(const ModelConfig& c, const GpuRankOptions& o) {
   size_t moe = align256(R * Ex * 4) + align256(R * k * 4) * 2 + align256(R * Lt * 2) * 2 + align256(R * D * 2) * 2 +
                align256(2 * R * Sh * 2) + align256(cu::moe_experts_scratch_bytes(R, static_cast<int>(k), Lt, I)) +
                2 * align256(R * k * Lt * 2);
+  const int Dc = o.groups && !o.loopback ? o.groups->dcp->size() : 1;
+  if (Dc > 1) {
+    // DCP: gathered queries, partial outputs and LSEs sent and received; DSA's candidates and selections.
+    mla += align256(Dc * R * Hm * E * 2) + 2 * align256(Dc * R * Hm * Rl * 4) + 2 * align256(Dc * R * Hm * 4);
+    if (c.dsa) mla += 4 * align256(R * topk * 4) + 2 * align256(Dc * R * topk * 4) + 2 * align256(R * 4);
+  }
   size_t dense = align256(2 * R * Idn * 2);
   const int64_t cR = (R + G - 1) / G, Rp = G * cR;  // row shards of R rows, gathered
   if (o.groups && !o.loopback) {
@@ -206,7 +213,8 @@ GpuWorkspace gpu_workspace(const ModelConfig& c, const GpuRankOptions& o) {
   }
   // Gathers (all rows, padded to G shards), the reduce-scatter input, the shard, the lm_head slices.
   size_t step = align256(Rp * D * 2) * 2 + align256(R * D * 2) + align256(R * V * 4);
-  w.work_bytes = std::max({kda, mla, moe, dense}) + step;
+  w.layer_bytes = std::max({kda, mla, moe, dense});
+  w.work_bytes = w.layer_bytes + step;
   w.attention_bytes = std::max(cu::mla_attend_paged_scratch_bytes(o.max_batch, o.max_q, Hm, static_cast<int>(Rl),
                                                                      static_cast<int>(o.max_context)),
                                  c.dsa ? cu::mla_attend_indexed_scratch_bytes(R, Hm, static_cast<int>(Rl),
@@ -227,7 +235,6 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
     K3_CHECK(o.groups->world->size() == o.shard.world_size && o.groups->world->rank() == o.shard.world_rank,
              "gpu: world group of rank {} of {} for the shard of world rank {} of {}", o.groups->world->rank(),
              o.groups->world->size(), o.shard.world_rank, o.shard.world_size);
-    K3_CHECK(coll_.dcp_size() == 1, "gpu: DCP (--dcp {}) is not implemented on the GPU yet", coll_.dcp_size());
   }
   Hk_ = c.kda.num_heads / G_;
   Hm_ = c.mla.num_heads / G_;
@@ -265,9 +272,10 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
   d_slots_ = DeviceBuffer(o.max_batch * 4);
   d_pos0_ = DeviceBuffer(o.max_batch * 4);
   d_ctx_ = DeviceBuffer(R * 4);
+  d_ctx_local_ = DeviceBuffer(R * 4);
   d_tables_ = DeviceBuffer(int64_t{o.max_batch} * max_pages_ * 4);
   d_accepted_ = DeviceBuffer(o.max_batch * 4);
-  pinned_bytes_ = static_cast<size_t>(R * 4 * 2 + o.max_batch * 4 * 3 + int64_t{o.max_batch} * max_pages_ * 4);
+  pinned_bytes_ = static_cast<size_t>(R * 4 * 3 + o.max_batch * 4 * 3 + int64_t{o.max_batch} * max_pages_ * 4);
   CUDA_CHECK(cudaMallocHost(&pinned_, pinned_bytes_));
   // Activations.
   const int nb = plan_.num_blocks;
@@ -286,6 +294,7 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
   logits_ = DeviceBuffer(R * V * 4);
   const GpuWorkspace ws = gpu_workspace(c, o);
   work_bytes_ = ws.work_bytes;
+  layer_bytes_ = ws.layer_bytes;
   work_ = DeviceBuffer(work_bytes_);
   attn_scratch_bytes_ = ws.attention_bytes;
   attn_scratch_ = DeviceBuffer(std::max<size_t>(attn_scratch_bytes_, 256));
@@ -367,6 +376,7 @@ void GpuRank::prepare(std::span<const int> slots, int q, std::span<const int32_t
   int32_t* sl = ctx + rows;
   int32_t* pos0 = sl + B;
   int32_t* tables = pos0 + B;
+  int32_t* ctx_local = tables + int64_t{B} * max_pages_;  // DCP: positions of this rank visible to each row
   max_ctx_ = 0;
   for (int b = 0; b < B; ++b) {
     Slot& s = slots_[slots[b]];
@@ -384,6 +394,15 @@ void GpuRank::prepare(std::span<const int> slots, int q, std::span<const int32_t
   std::copy(tokens.begin(), tokens.end(), tok);
   CUDA_CHECK(cudaMemcpyAsync(d_tokens_.get(), tok, rows * 4, cudaMemcpyHostToDevice, ctx_.stream));
   CUDA_CHECK(cudaMemcpyAsync(d_ctx_.get(), ctx, rows * 4, cudaMemcpyHostToDevice, ctx_.stream));
+  if (coll_.dcp_size() > 1) {
+    // DCP rank r of D holds positions p = j D + r: row at position t sees local j <= (t - r) / D.
+    const int64_t D = coll_.dcp_size(), r = coll_.dcp_rank();
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t t = ctx[i] - 1;
+      ctx_local[i] = static_cast<int32_t>(t >= r ? (t - r) / D + 1 : 0);
+    }
+    CUDA_CHECK(cudaMemcpyAsync(d_ctx_local_.get(), ctx_local, rows * 4, cudaMemcpyHostToDevice, ctx_.stream));
+  }
   CUDA_CHECK(cudaMemcpyAsync(d_slots_.get(), sl, B * 4, cudaMemcpyHostToDevice, ctx_.stream));
   CUDA_CHECK(cudaMemcpyAsync(d_pos0_.get(), pos0, B * 4, cudaMemcpyHostToDevice, ctx_.stream));
   CUDA_CHECK(cudaMemcpyAsync(d_tables_.get(), tables, int64_t{B} * max_pages_ * 4, cudaMemcpyHostToDevice,
@@ -395,13 +414,13 @@ void GpuRank::prepare(std::span<const int> slots, int q, std::span<const int32_t
 bf16* GpuRank::scratch_bf16(size_t& at, int64_t n) {
   bf16* p = reinterpret_cast<bf16*>(work_.get<char>() + at);
   at += align256(static_cast<size_t>(n) * 2);
-  K3_CHECK(at <= work_bytes_, "internal: gpu scratch overflow");
+  K3_CHECK(at <= layer_bytes_, "internal: gpu scratch overflow ({} > {} bytes)", at, layer_bytes_);
   return p;
 }
 float* GpuRank::scratch_f32(size_t& at, int64_t n) {
   float* p = reinterpret_cast<float*>(work_.get<char>() + at);
   at += align256(static_cast<size_t>(n) * 4);
-  K3_CHECK(at <= work_bytes_, "internal: gpu scratch overflow");
+  K3_CHECK(at <= layer_bytes_, "internal: gpu scratch overflow ({} > {} bytes)", at, layer_bytes_);
   return p;
 }
 
@@ -454,6 +473,9 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
   const int H = w.heads, R = m.kv_lora_rank, P = m.qk_rope_head_dim, dn = m.qk_nope_head_dim, dv = m.v_head_dim;
   const int64_t Q = m.q_lora_rank, E = R + P;
   const int i = full_index_[l];
+  // DCP (Dc > 1): this rank's cache holds positions p = j Dc + dr at local index j.
+  const int Dc = coll_.dcp_size(), dr = coll_.dcp_rank();
+  const int32_t* ctx_here = Dc > 1 ? d_ctx_local_.get<int32_t>() : d_ctx_.get<int32_t>();
   bf16* cq = scratch_bf16(at, rows * Q);
   bf16* qf = scratch_bf16(at, rows * H * (dn + P));
   bf16* kv = scratch_bf16(at, rows * E);
@@ -469,14 +491,32 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
   K3_LAUNCH(cu::linear(ctx_, cq, w.q_b, qf, false, rows, Q, int64_t{H} * (dn + P)));
   K3_LAUNCH(cu::linear(ctx_, x, w.kv_a, kv, false, rows, D, E));
   K3_LAUNCH(cu::cache_write(kv, E, E, w.kv_a_norm, R, eps, d_pos0_.get<int32_t>(), B_, q_, d_tables_.get<int32_t>(),
-                            max_pages_, o_.page_size, 1, 0, kv_[i].get<bf16>(), s));
+                            max_pages_, o_.page_size, Dc, dr, kv_[i].get<bf16>(), s));
   K3_LAUNCH(cu::mla_absorb_q(qf, w.kv_b, qlat, rows, H, dn, P, dv, R, s));
   const float scale = 1.0f / std::sqrt(static_cast<float>(dn + P));
+  // The queries attended here: this rank's heads, or (DCP) every DCP member's [Dc, rows, H, E], each
+  // member's partial (o, lse) [Dc, rows, H, R] / [Dc, rows, H] sent back to it and merged below.
+  const bf16* qs = qlat;
+  float* po = olat;
+  float* pl = lse;
+  float *got_o = nullptr, *got_lse = nullptr;
+  if (Dc > 1) {
+    bf16* qall = scratch_bf16(at, Dc * rows * H * E);
+    po = scratch_f32(at, Dc * rows * H * R);
+    got_o = scratch_f32(at, Dc * rows * H * R);
+    pl = scratch_f32(at, Dc * rows * H);
+    got_lse = scratch_f32(at, Dc * rows * H);
+    mark("collectives");
+    coll_.dcp_all_gather(qlat, qall, rows * H * E, DType::BF16);
+    qs = qall;
+  }
   mark(w.has_indexer ? "dsa.indexer_attend" : "mla.attend");
   if (!w.has_indexer) {
-    K3_LAUNCH(cu::mla_attend_paged(qlat, kv_[i].get<bf16>(), d_tables_.get<int32_t>(), max_pages_, o_.page_size,
-                                   d_ctx_.get<int32_t>(), B_, q_, static_cast<int>(max_ctx_), H, R, P, scale, olat,
-                                   lse, attn_scratch_.get(), attn_scratch_bytes_, s));
+    for (int mb = 0; mb < Dc; ++mb)
+      K3_LAUNCH(cu::mla_attend_paged(qs + mb * rows * H * E, kv_[i].get<bf16>(), d_tables_.get<int32_t>(), max_pages_,
+                                     o_.page_size, ctx_here, B_, q_, static_cast<int>(max_ctx_), H, R, P, scale,
+                                     po + mb * rows * H * R, pl + mb * rows * H, attn_scratch_.get(),
+                                     attn_scratch_bytes_, s));
   } else {
     const int Hi = c_.dsa->index_n_heads, Di = c_.dsa->index_head_dim, topk = c_.dsa->index_topk;
     bf16* qi = scratch_bf16(at, rows * Hi * Di);
@@ -488,17 +528,44 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
     K3_LAUNCH(cu::linear(ctx_, x, w.indexer.wk, ki, false, rows, D, Di));
     K3_LAUNCH(cu::layernorm(ki, w.indexer.k_norm_w, w.indexer.k_norm_b, ki, rows, Di, eps, s));
     K3_LAUNCH(cu::cache_write(ki, Di, Di, nullptr, 0, eps, d_pos0_.get<int32_t>(), B_, q_, d_tables_.get<int32_t>(),
-                              max_pages_, o_.page_size, 1, 0, index_[i].get<bf16>(), s));
+                              max_pages_, o_.page_size, Dc, dr, index_[i].get<bf16>(), s));
     K3_LAUNCH(cu::linear(ctx_, cq, w.indexer.wq_b, qi, false, rows, Q, int64_t{Hi} * Di));
     K3_LAUNCH(cu::linear(ctx_, x, w.indexer.weights_proj, wi, true, rows, D, Hi));
     K3_LAUNCH(cu::scale(wi, 1.0f / std::sqrt(static_cast<float>(Di)) / std::sqrt(static_cast<float>(Hi)), rows * Hi, s));
     const int max_ctx = static_cast<int>(max_ctx_);
     K3_LAUNCH(cu::dsa_index_scores_paged(qi, wi, index_[i].get<bf16>(), d_tables_.get<int32_t>(), max_pages_,
-                                         o_.page_size, d_ctx_.get<int32_t>(), B_, q_, max_ctx, Hi, Di, scores, s));
-    K3_LAUNCH(cu::topk_indices(scores, max_ctx, d_ctx_.get<int32_t>(), rows, topk, sel, cnt, s));
-    K3_LAUNCH(cu::mla_attend_indexed(qlat, kv_[i].get<bf16>(), d_tables_.get<int32_t>(), max_pages_, o_.page_size, sel,
-                                     cnt, topk, B_, q_, H, R, P, scale, olat, lse, attn_scratch_.get(),
-                                     attn_scratch_bytes_, s));
+                                         o_.page_size, ctx_here, B_, q_, max_ctx, Hi, Di, scores, s));
+    K3_LAUNCH(cu::topk_indices(scores, max_ctx, ctx_here, rows, topk, sel, cnt, s));
+    if (Dc > 1) {
+      // The global top-k (ops/dcp.h): local candidates, all-gathered, the same selection on every
+      // member, then the selected positions held here as local indices.
+      float* cand_s = scratch_f32(at, rows * topk);
+      auto* cand_p = reinterpret_cast<int32_t*>(scratch_f32(at, rows * topk));
+      float* all_s = scratch_f32(at, Dc * rows * topk);
+      auto* all_p = reinterpret_cast<int32_t*>(scratch_f32(at, Dc * rows * topk));
+      auto* sel_g = reinterpret_cast<int32_t*>(scratch_f32(at, rows * topk));
+      auto* cnt_g = reinterpret_cast<int32_t*>(scratch_f32(at, rows));
+      K3_LAUNCH(cu::dcp_topk_candidates(scores, max_ctx, sel, cnt, rows, topk, Dc, dr, cand_s, cand_p, s));
+      mark("collectives");
+      coll_.dcp_all_gather(cand_s, all_s, rows * topk, DType::F32);
+      coll_.dcp_all_gather(cand_p, all_p, rows * topk, DType::I32);
+      mark("dsa.indexer_attend");
+      K3_LAUNCH(cu::dcp_scatter_candidates(all_s, all_p, Dc, rows, topk, max_ctx, scores, s));
+      K3_LAUNCH(cu::topk_indices(scores, max_ctx, d_ctx_.get<int32_t>(), rows, topk, sel_g, cnt_g, s));
+      K3_LAUNCH(cu::dcp_local_selection(sel_g, cnt_g, rows, topk, Dc, dr, sel, cnt, s));
+    }
+    for (int mb = 0; mb < Dc; ++mb)
+      K3_LAUNCH(cu::mla_attend_indexed(qs + mb * rows * H * E, kv_[i].get<bf16>(), d_tables_.get<int32_t>(),
+                                       max_pages_, o_.page_size, sel, cnt, topk, B_, q_, H, R, P, scale,
+                                       po + mb * rows * H * R, pl + mb * rows * H, attn_scratch_.get(),
+                                       attn_scratch_bytes_, s));
+  }
+  if (Dc > 1) {
+    mark("collectives");
+    coll_.dcp_all_to_all(po, got_o, rows * H * R, DType::F32);
+    coll_.dcp_all_to_all(pl, got_lse, rows * H, DType::F32);
+    mark("mla.merge");
+    K3_LAUNCH(cu::lse_merge(got_o, got_lse, Dc, rows, H, R, olat, lse, s));
   }
   mark("mla.out");
   K3_LAUNCH(cu::to_bf16(olat, olat_bf, rows * H * R, s));
@@ -543,7 +610,7 @@ void GpuRank::moe(int l, const bf16* x, int64_t rows, bf16* out) {
     if (rows == 0) return;
   } else if (!o_.loopback) {
     const size_t moe_bytes = cu::moe_experts_scratch_bytes(rows, k, L, I);
-    void* moe_scratch = scratch_bf16(at, static_cast<int64_t>(moe_bytes / 2 + 1));
+    void* moe_scratch = scratch_bf16(at, static_cast<int64_t>((moe_bytes + 1) / 2));
     K3_LAUNCH(cu::moe_experts(ctx_, z, idx, wts, weights_.tables[l], w.expert_begin, count, y, moe_scratch, rows, k,
                               L, I, situ));
   } else {
@@ -553,7 +620,7 @@ void GpuRank::moe(int l, const bf16* x, int64_t rows, bf16* out) {
     // many pairs on its local experts (router choices folded into the local
     // range) and moves the latent rows of the dispatch and the combine.
     const size_t moe_bytes = cu::moe_experts_scratch_bytes(rows, k, L, I);
-    void* moe_scratch = scratch_bf16(at, static_cast<int64_t>(moe_bytes / 2 + 1));
+    void* moe_scratch = scratch_bf16(at, static_cast<int64_t>((moe_bytes + 1) / 2));
     bf16* exchange = scratch_bf16(at, 2 * rows * k * L);  // sent rows, then received outputs
     const int64_t m = int64_t{B_} * q_, recv = std::min<int64_t>(rows * k, (m * k + G_ - 1) / G_);
     CUDA_CHECK(cudaMemcpyAsync(exchange, z, rows * L * 2, cudaMemcpyDeviceToDevice, s));  // dispatch (send side)
@@ -591,7 +658,7 @@ void GpuRank::ep_experts(int l, const bf16* z, const int32_t* idx, const float* 
   bf16* send = scratch_bf16(at, slots * L);  // the packed rows, then the outputs that come back
   bf16* recv = scratch_bf16(at, slots * L);
   bf16* out = scratch_bf16(at, slots * L);
-  void* moe_scratch = scratch_bf16(at, static_cast<int64_t>(cu::moe_experts_scratch_bytes(slots, 1, L, I) / 2 + 1));
+  void* moe_scratch = scratch_bf16(at, static_cast<int64_t>((cu::moe_experts_scratch_bytes(slots, 1, L, I) + 1) / 2));
   K3_LAUNCH(cu::ep_pack(idx, z, rows, k, L, static_cast<int>(e.num_experts / W), static_cast<int>(W), ep_cap_, slot,
                         send_ids, send, s));
   mark("collectives");

@@ -74,7 +74,8 @@ struct GpuRankOptions {
 // every layer kind's intermediates at max_batch x max_q rows, plus the gathers
 // and the lm_head slice) and the attention kernels' split-K partials.
 struct GpuWorkspace {
-  size_t work_bytes = 0;
+  size_t work_bytes = 0;   // the per-layer area (layer_bytes) + the step's gathers and lm_head slices
+  size_t layer_bytes = 0;  // the per-layer area alone (what a layer's scratch may use)
   size_t attention_bytes = 0;
 };
 GpuWorkspace gpu_workspace(const ModelConfig& c, const GpuRankOptions& o);
@@ -150,7 +151,7 @@ class GpuRank {
   std::vector<int> kda_index_, full_index_;
   size_t cache_bytes_ = 0;
   // Step metadata (device) and its pinned staging.
-  DeviceBuffer d_tokens_, d_slots_, d_pos0_, d_ctx_, d_tables_, d_accepted_;
+  DeviceBuffer d_tokens_, d_slots_, d_pos0_, d_ctx_, d_ctx_local_, d_tables_, d_accepted_;
   void* pinned_ = nullptr;
   size_t pinned_bytes_ = 0;
   int B_ = 0, q_ = 0;
@@ -158,7 +159,7 @@ class GpuRank {
   int64_t max_ctx_ = 0;  // the step's largest visible context
   // Activations and scratch.
   DeviceBuffer P_, blocks_, x_, a_, f_, logits_, work_, attn_scratch_;
-  size_t work_bytes_ = 0, attn_scratch_bytes_ = 0;
+  size_t work_bytes_ = 0, layer_bytes_ = 0, attn_scratch_bytes_ = 0;
   void mark(const char* label);
   bool profiling_ = false;
   std::vector<cudaEvent_t> events_;

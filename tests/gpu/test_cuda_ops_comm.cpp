@@ -1,7 +1,8 @@
 // GPU tests of the collective helper kernels against their CPU references:
-// reduce_sum (ops/reduce.h: the rank-order sums of the device comm backends) and
-// the fixed-capacity EP pack / combine (ops/ep.h). All are exact: the kernels must
-// give the CPU's bits. Random inputs with mixed magnitudes (the sum depends on
+// reduce_sum (ops/reduce.h: the rank-order sums of the device comm backends),
+// the fixed-capacity EP pack / combine (ops/ep.h) and DSA's DCP top-k steps
+// (ops/dcp.h, also against the top-k of the unsharded scores). All are exact:
+// the kernels must give the CPU's bits. Random inputs with mixed magnitudes (the sum depends on
 // the order), ids that include out-of-range ones, uneven destinations.
 #include <algorithm>
 #include <cstring>
@@ -9,6 +10,8 @@
 #include <vector>
 
 #include "gpu_test_util.h"
+#include "ops/dcp.h"
+#include "ops/dsa.h"
 #include "ops/ep.h"
 #include "ops/reduce.h"
 
@@ -174,6 +177,98 @@ TEST(EpCuda, RejectsTooSmallACapacity) {
   std::vector<float> z(32), send(14 * 8);
   EXPECT_THROW(ops::ep_pack(idx.data(), z.data(), 4, 2, 8, 1, 2, 7, slot.data(), ids.data(), send.data()), Error);
 }
+
+struct DcpCase {
+  int64_t T;
+  int D, k, ld;
+};
+class DcpTopkCuda : public ::testing::TestWithParam<DcpCase> {};
+
+// Scores S[t, p] over positions p < ctx[t] (ties included) sharded by p mod D: each rank's
+// local top-k -> candidates -> scattered -> top-k == the top-k of S itself, and every
+// kernel step gives the CPU reference's bits.
+TEST_P(DcpTopkCuda, ShardedTopkEqualsTheGlobalTopk) {
+  K3_REQUIRE_GPU();
+  const DcpCase c = GetParam();
+  const int64_t T = c.T, ld = c.ld;
+  const int D = c.D, k = c.k;
+  auto* s = gputest::ctx().stream;
+  Rng rng(900 + D * 10 + k);
+  std::vector<int32_t> ctx(T);
+  std::vector<float> S(T * ld, -INFINITY);
+  for (int64_t t = 0; t < T; ++t) {
+    ctx[t] = static_cast<int32_t>(t == 0 ? 1 : 1 + rng.below(static_cast<uint64_t>(ld)));
+    for (int p = 0; p < ctx[t]; ++p) S[t * ld + p] = static_cast<float>(rng.below(9)) * 0.25f;  // many ties
+  }
+  // Per rank: local scores [T, ld] (local index j = position j D + r), local top-k on the CPU.
+  std::vector<float> all_s(D * T * k);
+  std::vector<int32_t> all_p(D * T * k);
+  std::vector<DeviceBuffer> keep;
+  for (int r = 0; r < D; ++r) {
+    std::vector<float> local(T * ld, -INFINITY);
+    std::vector<int32_t> n(T), sel(T * k, -1);
+    for (int64_t t = 0; t < T; ++t) {
+      n[t] = ctx[t] > r ? (ctx[t] - 1 - r) / D + 1 : 0;
+      for (int j = 0; j < n[t]; ++j) local[t * ld + j] = S[t * ld + j * D + r];
+      std::vector<int64_t> top(n[t]);
+      const int64_t kept = ops::topk_indices(&local[t * ld], n[t], k, top.data());
+      for (int64_t j = 0; j < kept; ++j) sel[t * k + j] = static_cast<int32_t>(top[j]);
+      n[t] = static_cast<int32_t>(kept);
+    }
+    std::vector<float> cs(T * k);
+    std::vector<int32_t> cp(T * k);
+    ops::dcp_topk_candidates(local.data(), ld, sel.data(), n.data(), T, k, D, r, cs.data(), cp.data());
+    DeviceBuffer d_local = upload(local), d_sel = upload(sel), d_n = upload(n), d_cs(T * k * 4 + 4), d_cp(T * k * 4 + 4);
+    K3_CU(ops::cuda::dcp_topk_candidates(d_local.get<float>(), ld, d_sel.get<int32_t>(), d_n.get<int32_t>(), T, k, D,
+                                         r, d_cs.get<float>(), d_cp.get<int32_t>(), s));
+    EXPECT_EQ(download<float>(d_cs, T * k), cs) << "candidates, rank " << r;
+    EXPECT_EQ(download<int32_t>(d_cp, T * k), cp) << "candidates, rank " << r;
+    std::copy(cs.begin(), cs.end(), all_s.begin() + r * T * k);
+    std::copy(cp.begin(), cp.end(), all_p.begin() + r * T * k);
+  }
+  std::vector<float> dense(T * ld);
+  ops::dcp_scatter_candidates(all_s.data(), all_p.data(), D, T, k, ld, dense.data());
+  DeviceBuffer d_all_s = upload(all_s), d_all_p = upload(all_p), d_dense(T * ld * 4 + 4);
+  K3_CU(ops::cuda::dcp_scatter_candidates(d_all_s.get<float>(), d_all_p.get<int32_t>(), D, T, k, ld,
+                                          d_dense.get<float>(), s));
+  EXPECT_EQ(download<float>(d_dense, T * ld), dense) << "scatter";
+  // The global selection from the scattered candidates == the top-k of S (positions by score, ties low).
+  std::vector<int32_t> sel_g(T * k, -1), n_g(T);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int64_t> a(ctx[t]), b(ctx[t]);
+    const int64_t ka = ops::topk_indices(&dense[t * ld], ctx[t], k, a.data());
+    const int64_t kb = ops::topk_indices(&S[t * ld], ctx[t], k, b.data());
+    ASSERT_EQ(ka, kb);
+    for (int64_t j = 0; j < ka; ++j) {
+      EXPECT_EQ(a[j], b[j]) << "row " << t << " rank " << j << ": sharded top-k differs from the global top-k";
+      sel_g[t * k + j] = static_cast<int32_t>(a[j]);
+    }
+    n_g[t] = static_cast<int32_t>(ka);
+  }
+  // Local selections: exact vs CPU, and together they are the global selection.
+  DeviceBuffer d_sel_g = upload(sel_g), d_n_g = upload(n_g);
+  int64_t total = 0;
+  for (int r = 0; r < D; ++r) {
+    std::vector<int32_t> out(T * k), cnt(T);
+    ops::dcp_local_selection(sel_g.data(), n_g.data(), T, k, D, r, out.data(), cnt.data());
+    DeviceBuffer d_out(T * k * 4 + 4), d_cnt(T * 4 + 4);
+    K3_CU(ops::cuda::dcp_local_selection(d_sel_g.get<int32_t>(), d_n_g.get<int32_t>(), T, k, D, r,
+                                         d_out.get<int32_t>(), d_cnt.get<int32_t>(), s));
+    EXPECT_EQ(download<int32_t>(d_out, T * k), out) << "local selection, rank " << r;
+    EXPECT_EQ(download<int32_t>(d_cnt, T), cnt) << "local selection counts, rank " << r;
+    for (int64_t t = 0; t < T; ++t) {
+      total += cnt[t];
+      for (int j = 0; j < cnt[t]; ++j) EXPECT_LT(out[t * k + j] * D + r, ctx[t]);
+    }
+  }
+  int64_t want = 0;
+  for (int64_t t = 0; t < T; ++t) want += n_g[t];
+  EXPECT_EQ(total, want) << "the local selections partition the global one";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DcpTopkCuda,
+                         ::testing::Values(DcpCase{5, 2, 3, 40}, DcpCase{9, 4, 8, 48}, DcpCase{3, 8, 4, 70},
+                                           DcpCase{17, 2, 64, 200}, DcpCase{4, 3, 40, 33}));
 
 }  // namespace
 }  // namespace k3
