@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one call: every CUDA op against its CPU
 # reference, the tiny models on the GPU against the CPU engine (eager and
-# graphed), compute-sanitizer memcheck over the tiny-model run, and (with
+# graphed), the parallel-runtime matrix on one GPU (GpuParallel: every layout
+# as ranks-as-threads with the local GPU comm), compute-sanitizer memcheck over
+# the tiny-model run and one multi-rank layout, and (with
 # --bench) the rank-slice benchmark of both variants. Logs go to $OUT (or
 # out/gpu). Uses the binaries in $K3_BIN when given (carried from another
 # machine, with the shared libraries they need beside them), else builds
@@ -18,12 +20,16 @@ fi
 export LD_LIBRARY_PATH="$bin:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader | tee "$out/machine.txt"
 status=0
-"$bin/k3_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |\[ gpu \]|tests ran" || true
+"$bin/k3_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |\[ gpu( parallel)? \]|tests ran" || true
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if command -v compute-sanitizer >/dev/null; then
   compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" --gtest_filter='GpuRank*' \
     >"$out/memcheck.log" 2>&1 || status=1
   tail -3 "$out/memcheck.log"
+  # The multi-rank step on one GPU (ranks as threads, local GPU comm): one layout with TP, DP and DCP.
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" \
+    --gtest_filter='*GpuParallel.MatchesCpuSingleRank/tp2_dp2_dcp2' >"$out/memcheck_parallel.log" 2>&1 || status=1
+  tail -3 "$out/memcheck_parallel.log"
 fi
 if [ "${1:-}" = "--bench" ]; then
   commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)

@@ -1,5 +1,7 @@
 #include "comm/comm.h"
 
+#include "ops/reduce.h"
+
 namespace k3 {
 
 const char* coll_kind_name(CollKind k) {
@@ -15,23 +17,12 @@ void Layout::validate() const {
 }
 
 void reduce_sum(const void* const* parts, int n, void* out, int64_t count, DType dt) {
-  if (dt == DType::F32) {
-    float* o = static_cast<float*>(out);
-    for (int64_t i = 0; i < count; ++i) {
-      float s = 0;
-      for (int p = 0; p < n; ++p) s += static_cast<const float*>(parts[p])[i];
-      o[i] = s;
-    }
-  } else if (dt == DType::BF16) {
-    bf16* o = static_cast<bf16*>(out);
-    for (int64_t i = 0; i < count; ++i) {
-      float s = 0;
-      for (int p = 0; p < n; ++p) s += to_float(static_cast<const bf16*>(parts[p])[i]);
-      o[i] = to_bf16(s);
-    }
-  } else {
+  if (dt == DType::F32)
+    ops::reduce_sum_f32(reinterpret_cast<const float* const*>(parts), n, static_cast<float*>(out), count);
+  else if (dt == DType::BF16)
+    ops::reduce_sum_bf16(reinterpret_cast<const bf16* const*>(parts), n, static_cast<bf16*>(out), count);
+  else
     fail("comm: sum of {} is not supported (F32, BF16)", dtype_name(dt));
-  }
 }
 
 void CountingComm::all_reduce(void* data, int64_t count, DType dt) {

@@ -43,6 +43,9 @@ class Comm {
   virtual void barrier() = 0;
   // The CUDA stream collectives are enqueued on (nccl backend); ignored on the CPU.
   virtual void set_stream(void* /*stream*/) {}
+  // True when the calls can be captured in a CUDA graph on the set stream (nccl); the
+  // local GPU backend rendezvous on the host in every call and cannot be.
+  virtual bool capturable() const { return false; }
 };
 
 // The groups one rank belongs to. Layout of world rank w (G = tp, D = dcp):
@@ -78,6 +81,7 @@ class CountingComm : public Comm {
   void broadcast(void* data, int64_t count, DType dt, int root) override;
   void barrier() override;
   void set_stream(void* s) override { inner_->set_stream(s); }
+  bool capturable() const override { return inner_->capturable(); }
 
   int64_t calls(CollKind k) const { return calls_[static_cast<int>(k)]; }
   int64_t bytes(CollKind k) const { return bytes_[static_cast<int>(k)]; }  // bytes this rank sent

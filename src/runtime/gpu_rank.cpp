@@ -6,9 +6,11 @@
 
 #include "config/schema.h"
 #include "ops/attn_res.h"
+#include "ops/dcp.h"
 #include "ops/dsa.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
+#include "ops/ep.h"
 #include "ops/kda.h"
 #include "ops/linear.h"
 #include "ops/mla.h"
@@ -195,9 +197,24 @@ GpuWorkspace gpu_workspace(const ModelConfig& c, const GpuRankOptions& o) {
   size_t moe = align256(R * Ex * 4) + align256(R * k * 4) * 2 + align256(R * Lt * 2) * 2 + align256(R * D * 2) * 2 +
                align256(2 * R * Sh * 2) + align256(cu::moe_experts_scratch_bytes(R, static_cast<int>(k), Lt, I)) +
                2 * align256(R * k * Lt * 2);
+  const int Dc = o.groups && !o.loopback ? o.groups->dcp->size() : 1;
+  if (Dc > 1) {
+    // DCP: gathered queries, partial outputs and LSEs sent and received; DSA's candidates and selections.
+    mla += align256(Dc * R * Hm * E * 2) + 2 * align256(Dc * R * Hm * Rl * 4) + 2 * align256(Dc * R * Hm * 4);
+    if (c.dsa) mla += 4 * align256(R * topk * 4) + 2 * align256(Dc * R * topk * 4) + 2 * align256(R * 4);
+  }
   size_t dense = align256(2 * R * Idn * 2);
-  size_t step = align256(R * D * 2) * 3 + align256(R * V * 4);  // gathers and the lm_head slice
-  w.work_bytes = std::max({kda, mla, moe, dense}) + step;
+  const int64_t cR = (R + G - 1) / G, Rp = G * cR;  // row shards of R rows, gathered
+  if (o.groups && !o.loopback) {
+    // The EP exchange (real collectives): [W, cap] slots, cap = cR k.
+    const int64_t slots = int64_t{o.shard.world_size} * cR * k;
+    moe += align256(R * k * 4) + 2 * align256(slots * 4) + 3 * align256(slots * Lt * 2) +
+           align256(cu::moe_experts_scratch_bytes(slots, 1, Lt, I));
+  }
+  // Gathers (all rows, padded to G shards), the reduce-scatter input, the shard, the lm_head slices.
+  size_t step = align256(Rp * D * 2) * 2 + align256(R * D * 2) + align256(R * V * 4);
+  w.layer_bytes = std::max({kda, mla, moe, dense});
+  w.work_bytes = w.layer_bytes + step;
   w.attention_bytes = std::max(cu::mla_attend_paged_scratch_bytes(o.max_batch, o.max_q, Hm, static_cast<int>(Rl),
                                                                      static_cast<int>(o.max_context)),
                                  c.dsa ? cu::mla_attend_indexed_scratch_bytes(R, Hm, static_cast<int>(Rl),
@@ -209,8 +226,16 @@ GpuWorkspace gpu_workspace(const ModelConfig& c, const GpuRankOptions& o) {
 GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions& o, cu::Context& ctx)
     : c_(c), weights_(std::move(weights)), o_(o), ctx_(ctx), plan_(LayerPlan::from(c)) {
   G_ = o.shard.tp_size;
-  K3_CHECK(G_ == 1 && o.shard.world_size == 1 || o.loopback,
-           "gpu: a multi-rank shard runs here only with loopback collectives (the rank-slice benchmark)");
+  using Mode = GpuCollectives::Mode;
+  const Mode mode = G_ == 1 && o.shard.world_size == 1 ? Mode::Single : o.loopback ? Mode::Loopback : Mode::Real;
+  K3_CHECK(mode != Mode::Real || o.groups,
+           "gpu: a multi-rank shard needs its groups (GpuRankOptions::groups) or loopback collectives");
+  coll_ = GpuCollectives(mode, o.groups, G_, o.shard.tp_rank, ctx.stream);
+  if (coll_.real()) {
+    K3_CHECK(o.groups->world->size() == o.shard.world_size && o.groups->world->rank() == o.shard.world_rank,
+             "gpu: world group of rank {} of {} for the shard of world rank {} of {}", o.groups->world->rank(),
+             o.groups->world->size(), o.shard.world_rank, o.shard.world_size);
+  }
   Hk_ = c.kda.num_heads / G_;
   Hm_ = c.mla.num_heads / G_;
   const int64_t D = c.hidden_size, V = c.vocab_size, R = int64_t{o.max_batch} * o.max_q;
@@ -247,9 +272,10 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
   d_slots_ = DeviceBuffer(o.max_batch * 4);
   d_pos0_ = DeviceBuffer(o.max_batch * 4);
   d_ctx_ = DeviceBuffer(R * 4);
+  d_ctx_local_ = DeviceBuffer(R * 4);
   d_tables_ = DeviceBuffer(int64_t{o.max_batch} * max_pages_ * 4);
   d_accepted_ = DeviceBuffer(o.max_batch * 4);
-  pinned_bytes_ = static_cast<size_t>(R * 4 * 2 + o.max_batch * 4 * 3 + int64_t{o.max_batch} * max_pages_ * 4);
+  pinned_bytes_ = static_cast<size_t>(R * 4 * 3 + o.max_batch * 4 * 3 + int64_t{o.max_batch} * max_pages_ * 4);
   CUDA_CHECK(cudaMallocHost(&pinned_, pinned_bytes_));
   // Activations.
   const int nb = plan_.num_blocks;
@@ -257,10 +283,18 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
   blocks_ = DeviceBuffer(R * nb * D * 2);
   x_ = DeviceBuffer(R * D * 2);
   a_ = DeviceBuffer(R * D * 2);
-  f_ = DeviceBuffer(R * D * 2);
+  const int64_t cR = (R + G_ - 1) / G_;
+  f_ = DeviceBuffer(G_ * cR * D * 2);  // the hybrid MoE gathers G shards into it
+  if (coll_.real()) {
+    ep_cap_ = cR * c.moe.experts_per_token;
+    const std::vector<float> ones(static_cast<size_t>(o.shard.world_size * ep_cap_), 1.0f);
+    ep_ones_ = DeviceBuffer(ones.size() * 4);
+    CUDA_CHECK(cudaMemcpy(ep_ones_.get(), ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+  }
   logits_ = DeviceBuffer(R * V * 4);
   const GpuWorkspace ws = gpu_workspace(c, o);
   work_bytes_ = ws.work_bytes;
+  layer_bytes_ = ws.layer_bytes;
   work_ = DeviceBuffer(work_bytes_);
   attn_scratch_bytes_ = ws.attention_bytes;
   attn_scratch_ = DeviceBuffer(std::max<size_t>(attn_scratch_bytes_, 256));
@@ -319,7 +353,8 @@ std::vector<GpuRank::Pool> GpuRank::cache_pools() {
 
 void GpuRank::prepare(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
   const int B = static_cast<int>(slots.size());
-  K3_CHECK(B >= 1 && B <= o_.max_batch, "step: {} requests outside 1..{}", B, o_.max_batch);
+  const int min_b = coll_.real() && o_.shard.world_size > 1 ? 0 : 1;  // an idle replica steps with B = 0
+  K3_CHECK(B >= min_b && B <= o_.max_batch, "step: {} requests outside {}..{}", B, min_b, o_.max_batch);
   K3_CHECK(q >= 1 && q <= o_.max_q, "step: q = {} outside 1..{}", q, o_.max_q);
   K3_CHECK(static_cast<int64_t>(tokens.size()) == int64_t{B} * q, "step: {} tokens for {} x {}", tokens.size(), B, q);
   for (int32_t t : tokens) K3_CHECK(t >= 0 && t < c_.vocab_size, "step: token id {} outside vocab 0..{}", t, c_.vocab_size - 1);
@@ -333,6 +368,7 @@ void GpuRank::prepare(std::span<const int> slots, int q, std::span<const int32_t
   K3_CHECK(need <= static_cast<int64_t>(free_pages_.size()), "step: out of KV pages");
   B_ = B;
   q_ = q;
+  prepared_ = true;
   const int64_t rows = int64_t{B} * q;
   auto* p = static_cast<int32_t*>(pinned_);
   int32_t* tok = p;
@@ -340,6 +376,7 @@ void GpuRank::prepare(std::span<const int> slots, int q, std::span<const int32_t
   int32_t* sl = ctx + rows;
   int32_t* pos0 = sl + B;
   int32_t* tables = pos0 + B;
+  int32_t* ctx_local = tables + int64_t{B} * max_pages_;  // DCP: positions of this rank visible to each row
   max_ctx_ = 0;
   for (int b = 0; b < B; ++b) {
     Slot& s = slots_[slots[b]];
@@ -357,6 +394,15 @@ void GpuRank::prepare(std::span<const int> slots, int q, std::span<const int32_t
   std::copy(tokens.begin(), tokens.end(), tok);
   CUDA_CHECK(cudaMemcpyAsync(d_tokens_.get(), tok, rows * 4, cudaMemcpyHostToDevice, ctx_.stream));
   CUDA_CHECK(cudaMemcpyAsync(d_ctx_.get(), ctx, rows * 4, cudaMemcpyHostToDevice, ctx_.stream));
+  if (coll_.dcp_size() > 1) {
+    // DCP rank r of D holds positions p = j D + r: row at position t sees local j <= (t - r) / D.
+    const int64_t D = coll_.dcp_size(), r = coll_.dcp_rank();
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t t = ctx[i] - 1;
+      ctx_local[i] = static_cast<int32_t>(t >= r ? (t - r) / D + 1 : 0);
+    }
+    CUDA_CHECK(cudaMemcpyAsync(d_ctx_local_.get(), ctx_local, rows * 4, cudaMemcpyHostToDevice, ctx_.stream));
+  }
   CUDA_CHECK(cudaMemcpyAsync(d_slots_.get(), sl, B * 4, cudaMemcpyHostToDevice, ctx_.stream));
   CUDA_CHECK(cudaMemcpyAsync(d_pos0_.get(), pos0, B * 4, cudaMemcpyHostToDevice, ctx_.stream));
   CUDA_CHECK(cudaMemcpyAsync(d_tables_.get(), tables, int64_t{B} * max_pages_ * 4, cudaMemcpyHostToDevice,
@@ -368,13 +414,13 @@ void GpuRank::prepare(std::span<const int> slots, int q, std::span<const int32_t
 bf16* GpuRank::scratch_bf16(size_t& at, int64_t n) {
   bf16* p = reinterpret_cast<bf16*>(work_.get<char>() + at);
   at += align256(static_cast<size_t>(n) * 2);
-  K3_CHECK(at <= work_bytes_, "internal: gpu scratch overflow");
+  K3_CHECK(at <= layer_bytes_, "internal: gpu scratch overflow ({} > {} bytes)", at, layer_bytes_);
   return p;
 }
 float* GpuRank::scratch_f32(size_t& at, int64_t n) {
   float* p = reinterpret_cast<float*>(work_.get<char>() + at);
   at += align256(static_cast<size_t>(n) * 4);
-  K3_CHECK(at <= work_bytes_, "internal: gpu scratch overflow");
+  K3_CHECK(at <= layer_bytes_, "internal: gpu scratch overflow ({} > {} bytes)", at, layer_bytes_);
   return p;
 }
 
@@ -427,6 +473,9 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
   const int H = w.heads, R = m.kv_lora_rank, P = m.qk_rope_head_dim, dn = m.qk_nope_head_dim, dv = m.v_head_dim;
   const int64_t Q = m.q_lora_rank, E = R + P;
   const int i = full_index_[l];
+  // DCP (Dc > 1): this rank's cache holds positions p = j Dc + dr at local index j.
+  const int Dc = coll_.dcp_size(), dr = coll_.dcp_rank();
+  const int32_t* ctx_here = Dc > 1 ? d_ctx_local_.get<int32_t>() : d_ctx_.get<int32_t>();
   bf16* cq = scratch_bf16(at, rows * Q);
   bf16* qf = scratch_bf16(at, rows * H * (dn + P));
   bf16* kv = scratch_bf16(at, rows * E);
@@ -442,14 +491,32 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
   K3_LAUNCH(cu::linear(ctx_, cq, w.q_b, qf, false, rows, Q, int64_t{H} * (dn + P)));
   K3_LAUNCH(cu::linear(ctx_, x, w.kv_a, kv, false, rows, D, E));
   K3_LAUNCH(cu::cache_write(kv, E, E, w.kv_a_norm, R, eps, d_pos0_.get<int32_t>(), B_, q_, d_tables_.get<int32_t>(),
-                            max_pages_, o_.page_size, 1, 0, kv_[i].get<bf16>(), s));
+                            max_pages_, o_.page_size, Dc, dr, kv_[i].get<bf16>(), s));
   K3_LAUNCH(cu::mla_absorb_q(qf, w.kv_b, qlat, rows, H, dn, P, dv, R, s));
   const float scale = 1.0f / std::sqrt(static_cast<float>(dn + P));
+  // The queries attended here: this rank's heads, or (DCP) every DCP member's [Dc, rows, H, E], each
+  // member's partial (o, lse) [Dc, rows, H, R] / [Dc, rows, H] sent back to it and merged below.
+  const bf16* qs = qlat;
+  float* po = olat;
+  float* pl = lse;
+  float *got_o = nullptr, *got_lse = nullptr;
+  if (Dc > 1) {
+    bf16* qall = scratch_bf16(at, Dc * rows * H * E);
+    po = scratch_f32(at, Dc * rows * H * R);
+    got_o = scratch_f32(at, Dc * rows * H * R);
+    pl = scratch_f32(at, Dc * rows * H);
+    got_lse = scratch_f32(at, Dc * rows * H);
+    mark("collectives");
+    coll_.dcp_all_gather(qlat, qall, rows * H * E, DType::BF16);
+    qs = qall;
+  }
   mark(w.has_indexer ? "dsa.indexer_attend" : "mla.attend");
   if (!w.has_indexer) {
-    K3_LAUNCH(cu::mla_attend_paged(qlat, kv_[i].get<bf16>(), d_tables_.get<int32_t>(), max_pages_, o_.page_size,
-                                   d_ctx_.get<int32_t>(), B_, q_, static_cast<int>(max_ctx_), H, R, P, scale, olat,
-                                   lse, attn_scratch_.get(), attn_scratch_bytes_, s));
+    for (int mb = 0; mb < Dc; ++mb)
+      K3_LAUNCH(cu::mla_attend_paged(qs + mb * rows * H * E, kv_[i].get<bf16>(), d_tables_.get<int32_t>(), max_pages_,
+                                     o_.page_size, ctx_here, B_, q_, static_cast<int>(max_ctx_), H, R, P, scale,
+                                     po + mb * rows * H * R, pl + mb * rows * H, attn_scratch_.get(),
+                                     attn_scratch_bytes_, s));
   } else {
     const int Hi = c_.dsa->index_n_heads, Di = c_.dsa->index_head_dim, topk = c_.dsa->index_topk;
     bf16* qi = scratch_bf16(at, rows * Hi * Di);
@@ -461,17 +528,44 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
     K3_LAUNCH(cu::linear(ctx_, x, w.indexer.wk, ki, false, rows, D, Di));
     K3_LAUNCH(cu::layernorm(ki, w.indexer.k_norm_w, w.indexer.k_norm_b, ki, rows, Di, eps, s));
     K3_LAUNCH(cu::cache_write(ki, Di, Di, nullptr, 0, eps, d_pos0_.get<int32_t>(), B_, q_, d_tables_.get<int32_t>(),
-                              max_pages_, o_.page_size, 1, 0, index_[i].get<bf16>(), s));
+                              max_pages_, o_.page_size, Dc, dr, index_[i].get<bf16>(), s));
     K3_LAUNCH(cu::linear(ctx_, cq, w.indexer.wq_b, qi, false, rows, Q, int64_t{Hi} * Di));
     K3_LAUNCH(cu::linear(ctx_, x, w.indexer.weights_proj, wi, true, rows, D, Hi));
     K3_LAUNCH(cu::scale(wi, 1.0f / std::sqrt(static_cast<float>(Di)) / std::sqrt(static_cast<float>(Hi)), rows * Hi, s));
     const int max_ctx = static_cast<int>(max_ctx_);
     K3_LAUNCH(cu::dsa_index_scores_paged(qi, wi, index_[i].get<bf16>(), d_tables_.get<int32_t>(), max_pages_,
-                                         o_.page_size, d_ctx_.get<int32_t>(), B_, q_, max_ctx, Hi, Di, scores, s));
-    K3_LAUNCH(cu::topk_indices(scores, max_ctx, d_ctx_.get<int32_t>(), rows, topk, sel, cnt, s));
-    K3_LAUNCH(cu::mla_attend_indexed(qlat, kv_[i].get<bf16>(), d_tables_.get<int32_t>(), max_pages_, o_.page_size, sel,
-                                     cnt, topk, B_, q_, H, R, P, scale, olat, lse, attn_scratch_.get(),
-                                     attn_scratch_bytes_, s));
+                                         o_.page_size, ctx_here, B_, q_, max_ctx, Hi, Di, scores, s));
+    K3_LAUNCH(cu::topk_indices(scores, max_ctx, ctx_here, rows, topk, sel, cnt, s));
+    if (Dc > 1) {
+      // The global top-k (ops/dcp.h): local candidates, all-gathered, the same selection on every
+      // member, then the selected positions held here as local indices.
+      float* cand_s = scratch_f32(at, rows * topk);
+      auto* cand_p = reinterpret_cast<int32_t*>(scratch_f32(at, rows * topk));
+      float* all_s = scratch_f32(at, Dc * rows * topk);
+      auto* all_p = reinterpret_cast<int32_t*>(scratch_f32(at, Dc * rows * topk));
+      auto* sel_g = reinterpret_cast<int32_t*>(scratch_f32(at, rows * topk));
+      auto* cnt_g = reinterpret_cast<int32_t*>(scratch_f32(at, rows));
+      K3_LAUNCH(cu::dcp_topk_candidates(scores, max_ctx, sel, cnt, rows, topk, Dc, dr, cand_s, cand_p, s));
+      mark("collectives");
+      coll_.dcp_all_gather(cand_s, all_s, rows * topk, DType::F32);
+      coll_.dcp_all_gather(cand_p, all_p, rows * topk, DType::I32);
+      mark("dsa.indexer_attend");
+      K3_LAUNCH(cu::dcp_scatter_candidates(all_s, all_p, Dc, rows, topk, max_ctx, scores, s));
+      K3_LAUNCH(cu::topk_indices(scores, max_ctx, d_ctx_.get<int32_t>(), rows, topk, sel_g, cnt_g, s));
+      K3_LAUNCH(cu::dcp_local_selection(sel_g, cnt_g, rows, topk, Dc, dr, sel, cnt, s));
+    }
+    for (int mb = 0; mb < Dc; ++mb)
+      K3_LAUNCH(cu::mla_attend_indexed(qs + mb * rows * H * E, kv_[i].get<bf16>(), d_tables_.get<int32_t>(),
+                                       max_pages_, o_.page_size, sel, cnt, topk, B_, q_, H, R, P, scale,
+                                       po + mb * rows * H * R, pl + mb * rows * H, attn_scratch_.get(),
+                                       attn_scratch_bytes_, s));
+  }
+  if (Dc > 1) {
+    mark("collectives");
+    coll_.dcp_all_to_all(po, got_o, rows * H * R, DType::F32);
+    coll_.dcp_all_to_all(pl, got_lse, rows * H, DType::F32);
+    mark("mla.merge");
+    K3_LAUNCH(cu::lse_merge(got_o, got_lse, Dc, rows, H, R, olat, lse, s));
   }
   mark("mla.out");
   K3_LAUNCH(cu::to_bf16(olat, olat_bf, rows * H * R, s));
@@ -481,9 +575,11 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
   K3_LAUNCH(cu::linear(ctx_, o, w.o_proj, out, false, rows, int64_t{H} * dv, D));
 }
 
-// The MoE of layer l on `rows` rows of x (this rank's shard) -> out.
+// The MoE of layer l on `rows` rows of x (this rank's shard) -> out. With real
+// collectives every rank calls it for every MoE layer, rows = 0 included (the
+// EP exchange spans the world).
 void GpuRank::moe(int l, const bf16* x, int64_t rows, bf16* out) {
-  if (rows == 0) return;
+  if (rows == 0 && !coll_.real()) return;
   const MoeWeights& w = weights_.w.layers[l].moe;
   const auto& e = c_.moe;
   auto* s = ctx_.stream;
@@ -500,17 +596,21 @@ void GpuRank::moe(int l, const bf16* x, int64_t rows, bf16* out) {
   bf16* up = scratch_bf16(at, rows * D);
   bf16* shared = scratch_bf16(at, rows * D);
   bf16* mlp_scratch = scratch_bf16(at, 2 * rows * S);
-  const size_t moe_bytes = cu::moe_experts_scratch_bytes(rows, k, L, I);
-  void* moe_scratch = scratch_bf16(at, static_cast<int64_t>(moe_bytes / 2 + 1));
-  bf16* exchange = scratch_bf16(at, 2 * rows * k * L);  // sent rows, then received outputs
   mark("moe.router_down");
-  K3_LAUNCH(cu::linear(ctx_, x, w.gate, logits, true, rows, D, E));
-  K3_LAUNCH(cu::route(logits, w.gate_bias, rows, static_cast<int>(E), k, e.renormalize, e.routed_scaling_factor, idx,
-                      wts, s));
-  K3_LAUNCH(cu::linear(ctx_, x, w.down, z, false, rows, D, L));
+  if (rows > 0) {
+    K3_LAUNCH(cu::linear(ctx_, x, w.gate, logits, true, rows, D, E));
+    K3_LAUNCH(cu::route(logits, w.gate_bias, rows, static_cast<int>(E), k, e.renormalize, e.routed_scaling_factor,
+                        idx, wts, s));
+    K3_LAUNCH(cu::linear(ctx_, x, w.down, z, false, rows, D, L));
+  }
   const int count = static_cast<int>(w.experts.size());
   mark("moe.experts");
-  if (!o_.loopback) {
+  if (coll_.real()) {
+    ep_experts(l, z, idx, wts, rows, y, at);
+    if (rows == 0) return;
+  } else if (!o_.loopback) {
+    const size_t moe_bytes = cu::moe_experts_scratch_bytes(rows, k, L, I);
+    void* moe_scratch = scratch_bf16(at, static_cast<int64_t>((moe_bytes + 1) / 2));
     K3_LAUNCH(cu::moe_experts(ctx_, z, idx, wts, weights_.tables[l], w.expert_begin, count, y, moe_scratch, rows, k,
                               L, I, situ));
   } else {
@@ -519,6 +619,9 @@ void GpuRank::moe(int l, const bf16* x, int64_t rows, bf16* out) {
     // recv = ceil(m DP k / W) = ceil(m k / G). The loopback computes exactly that
     // many pairs on its local experts (router choices folded into the local
     // range) and moves the latent rows of the dispatch and the combine.
+    const size_t moe_bytes = cu::moe_experts_scratch_bytes(rows, k, L, I);
+    void* moe_scratch = scratch_bf16(at, static_cast<int64_t>((moe_bytes + 1) / 2));
+    bf16* exchange = scratch_bf16(at, 2 * rows * k * L);  // sent rows, then received outputs
     const int64_t m = int64_t{B_} * q_, recv = std::min<int64_t>(rows * k, (m * k + G_ - 1) / G_);
     CUDA_CHECK(cudaMemcpyAsync(exchange, z, rows * L * 2, cudaMemcpyDeviceToDevice, s));  // dispatch (send side)
     for (int64_t r = rows; r < rows * k; r += rows)
@@ -538,10 +641,49 @@ void GpuRank::moe(int l, const bf16* x, int64_t rows, bf16* out) {
   K3_LAUNCH(cu::add(up, shared, out, rows * D, s));
 }
 
+// The EP exchange over the world (ops/ep.h): the shard's (row, choice) pairs packed
+// per owner into [W, cap] slots, all-to-all, the owner's experts on what it received
+// (k = 1, weight 1; padding slots carry id -1 and are skipped), all-to-all back, and
+// the combine in each row's chosen order: y [rows, L].
+void GpuRank::ep_experts(int l, const bf16* z, const int32_t* idx, const float* wts, int64_t rows, bf16* y,
+                         size_t& at) {
+  const MoeWeights& w = weights_.w.layers[l].moe;
+  const auto& e = c_.moe;
+  auto* s = ctx_.stream;
+  const int64_t L = e.latent_size, I = e.intermediate_size, W = o_.shard.world_size, slots = W * ep_cap_;
+  const int k = e.experts_per_token;
+  auto* slot = reinterpret_cast<int32_t*>(scratch_f32(at, int64_t{o_.max_batch} * o_.max_q * k));
+  auto* send_ids = reinterpret_cast<int32_t*>(scratch_f32(at, slots));
+  auto* recv_ids = reinterpret_cast<int32_t*>(scratch_f32(at, slots));
+  bf16* send = scratch_bf16(at, slots * L);  // the packed rows, then the outputs that come back
+  bf16* recv = scratch_bf16(at, slots * L);
+  bf16* out = scratch_bf16(at, slots * L);
+  void* moe_scratch = scratch_bf16(at, static_cast<int64_t>((cu::moe_experts_scratch_bytes(slots, 1, L, I) + 1) / 2));
+  K3_LAUNCH(cu::ep_pack(idx, z, rows, k, L, static_cast<int>(e.num_experts / W), static_cast<int>(W), ep_cap_, slot,
+                        send_ids, send, s));
+  mark("collectives");
+  coll_.world_all_to_all(send_ids, recv_ids, ep_cap_, DType::I32);
+  coll_.world_all_to_all(send, recv, ep_cap_ * L, DType::BF16);
+  mark("moe.experts");
+  K3_LAUNCH(cu::moe_experts(ctx_, recv, recv_ids, ep_ones_.get<float>(), weights_.tables[l], w.expert_begin,
+                            static_cast<int>(w.experts.size()), out, moe_scratch, slots, 1, L, I,
+                            ops::SituParams{c_.situ_beta, c_.situ_linear_beta}));
+  mark("collectives");
+  coll_.world_all_to_all(out, send, ep_cap_ * L, DType::BF16);
+  mark("moe.combine");
+  K3_LAUNCH(cu::ep_combine(send, slot, wts, rows, k, L, y, s));
+}
+
 void GpuRank::enqueue(StepKind kind) {
-  K3_CHECK(B_ > 0, "step: prepare() first");
+  K3_CHECK(prepared_, "step: prepare() first");
   auto* s = ctx_.stream;
   const int64_t D = c_.hidden_size, m = int64_t{B_} * q_, V = c_.vocab_size;
+  if (m == 0) {
+    // An idle replica: only the EP exchanges of the MoE layers (the other replicas' rows).
+    for (int l = 0; l < c_.num_layers; ++l)
+      if (weights_.w.layers[l].ffn == FfnKind::MoE) moe(l, nullptr, 0, nullptr);
+    return;
+  }
   const int nb = plan_.num_blocks;
   const float eps = c_.rms_norm_eps;
   const bool stock = kind == StepKind::Stock;
@@ -554,26 +696,21 @@ void GpuRank::enqueue(StepKind kind) {
   bf16* x = x_.get<bf16>();
   bf16* a = a_.get<bf16>();
   bf16* f = f_.get<bf16>();
-  // The gather buffers live after the per-layer scratch.
-  char* tail = work_.get<char>() + (work_bytes_ - (align256(m * D * 2) * 3 + align256(m * V * 4)));
-  bf16* gathered = reinterpret_cast<bf16*>(tail);
-  bf16* partial = reinterpret_cast<bf16*>(tail + align256(m * D * 2));
-  bf16* sharded = reinterpret_cast<bf16*>(tail + 2 * align256(m * D * 2));
-  float* lm = reinterpret_cast<float*>(tail + 3 * align256(m * D * 2));
+  // The step's buffers live after the per-layer scratch (sizes of gpu_workspace).
+  const int64_t R = int64_t{o_.max_batch} * o_.max_q, Rp = G_ * ((R + G_ - 1) / G_);
+  char* tail = work_.get<char>() + (work_bytes_ - (align256(Rp * D * 2) * 2 + align256(R * D * 2) + align256(R * V * 4)));
+  bf16* gathered = reinterpret_cast<bf16*>(tail);                              // [G cs, D]
+  bf16* partial = reinterpret_cast<bf16*>(tail + align256(Rp * D * 2));        // [G cs, D]
+  bf16* sharded = reinterpret_cast<bf16*>(tail + 2 * align256(Rp * D * 2));    // [cs, D] (loopback: scratch [m, D])
+  float* lm = reinterpret_cast<float*>(tail + 2 * align256(Rp * D * 2) + align256(R * D * 2));  // [G, m, V / G]
   if (stock) {
     CUDA_CHECK(cudaMemsetAsync(P, 0, cs * D * 2, s));
     K3_LAUNCH(cu::embedding(d_tokens_.get<int32_t>() + r0, real, weights_.w.embed, V, D, P, s));
+    // The reduce-scatter sums G cs rows; attention writes the first m.
+    if (G_ > 1) CUDA_CHECK(cudaMemsetAsync(partial + m * D, 0, (G_ * cs - m) * D * 2, s));
   } else {
     K3_LAUNCH(cu::embedding(d_tokens_.get<int32_t>(), m, weights_.w.embed, V, D, P, s));
   }
-  // all-gather of the shards [cs, D] -> [m, D] (loopback: this shard in every slot).
-  auto all_gather = [&](const bf16* shard, bf16* all) {
-    for (int g = 0; g < G_; ++g) {
-      const int64_t g0 = std::min(m, g * cs), n = std::min(m, g0 + cs) - g0;
-      if (n > 0) CUDA_CHECK(cudaMemcpyAsync(all + g0 * D, shard, n * D * 2,
-                                            cudaMemcpyDeviceToDevice, s));
-    }
-  };
   for (int l = 0; l < c_.num_layers; ++l) {
     const LayerInfo& li = plan_.layers[l];
     const LayerWeights& lw = weights_.w.layers[l];
@@ -597,21 +734,15 @@ void GpuRank::enqueue(StepKind kind) {
     const bf16* attn_in = x;
     if (stock && G_ > 1) {
       mark("collectives");
-      all_gather(x, gathered);
+      coll_.tp_all_gather_rows(x, gathered, m, D);
       attn_in = gathered;
     }
-    attention(l, attn_in, stock ? partial : a);
+    attention(l, attn_in, stock && G_ > 1 ? partial : a);
     mark("collectives");
-    if (stock) {
-      // reduce-scatter [m, D] partials -> this rank's [cs, D] (loopback: its own rows).
-      if (real > 0) CUDA_CHECK(cudaMemcpyAsync(a, partial + r0 * D, real * D * 2, cudaMemcpyDeviceToDevice, s));
-      if (G_ > 1)
-        for (int g = 1; g < G_; ++g) CUDA_CHECK(cudaMemcpyAsync(sharded, partial, cs * D * 2, cudaMemcpyDeviceToDevice, s));
-    } else if (G_ > 1) {
-      // all-reduce of [m, D] (loopback: the bytes of a ring's two passes).
-      CUDA_CHECK(cudaMemcpyAsync(partial, a, m * D * 2, cudaMemcpyDeviceToDevice, s));
-      CUDA_CHECK(cudaMemcpyAsync(partial, a, m * D * 2, cudaMemcpyDeviceToDevice, s));
-    }
+    if (stock && G_ > 1)
+      coll_.tp_reduce_scatter_rows(partial, a, m, D, sharded);  // [G cs, D] partials -> this rank's [cs, D]
+    else if (!stock)
+      coll_.tp_all_reduce(a, m * D, partial);
     mark("attn_res");
     if (li.block_start) CUDA_CHECK(cudaMemcpyAsync(P, a, res_rows * D * 2, cudaMemcpyDeviceToDevice, s));
     cu::AttnResCudaArgs post = pre;
@@ -634,9 +765,9 @@ void GpuRank::enqueue(StepKind kind) {
       moe(l, x, real, f);
     } else {
       // run_stock_moe: this rank's shard, then all-gathered back to all rows.
-      moe(l, x + r0 * D, real, sharded);
+      moe(l, x + r0 * D, real, G_ > 1 ? sharded : f);
       mark("collectives");
-      all_gather(sharded, f);
+      if (G_ > 1) coll_.tp_all_gather_rows(sharded, f, m, D);
     }
   }
   cu::AttnResCudaArgs fin;
@@ -657,7 +788,7 @@ void GpuRank::enqueue(StepKind kind) {
   K3_LAUNCH(cu::rmsnorm(x, weights_.w.norm, x, res_rows, D, eps, s));
   const bf16* h = x;
   if (stock && G_ > 1) {
-    all_gather(x, gathered);
+    coll_.tp_all_gather_rows(x, gathered, m, D);
     h = gathered;
   }
   const int64_t Vl = weights_.w.vocab_count;
@@ -665,9 +796,8 @@ void GpuRank::enqueue(StepKind kind) {
   if (G_ == 1) {
     K3_LAUNCH(cu::linear(ctx_, h, weights_.w.lm_head, out, true, m, D, Vl));
   } else {
-    K3_LAUNCH(cu::linear(ctx_, h, weights_.w.lm_head, lm, true, m, D, Vl));
-    for (int g = 0; g < G_; ++g)  // the vocab all-gather (loopback: this slice everywhere)
-      CUDA_CHECK(cudaMemcpy2DAsync(out + g * Vl, V * 4, lm, Vl * 4, Vl * 4, m, cudaMemcpyDeviceToDevice, s));
+    K3_LAUNCH(cu::linear(ctx_, h, weights_.w.lm_head, lm + t * m * Vl, true, m, D, Vl));
+    coll_.vocab_all_gather(lm, m, Vl, out);
   }
 }
 
@@ -709,6 +839,9 @@ std::vector<std::pair<std::string, double>> GpuRank::profile(StepKind kind) {
 }
 
 void GpuRank::run_graph(StepKind kind) {
+  K3_CHECK(coll_.capturable(),
+           "gpu: this rank's collectives ({}) cannot be captured in a CUDA graph; run the step with enqueue()",
+           o_.groups ? o_.groups->tp->name() : std::string("?"));
   for (auto& g : graphs_)
     if (g.kind == kind && g.B == B_ && g.q == q_) {
       CUDA_CHECK(cudaGraphLaunch(g.exec, ctx_.stream));

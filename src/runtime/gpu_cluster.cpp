@@ -1,0 +1,66 @@
+// LocalGpuCluster (runtime/gpu_cluster.h): GpuRanks as threads on one GPU.
+#include "runtime/gpu_cluster.h"
+
+#include <exception>
+#include <mutex>
+#include <thread>
+
+#include "comm/local_gpu.h"
+
+namespace k3 {
+
+LocalGpuCluster::LocalGpuCluster(const TensorSource& src, const ModelConfig& config, const GpuRankOptions& options,
+                                 const Layout& layout)
+    : layout_(layout) {
+  layout_.validate();
+  const int W = layout_.world();
+  check_shardable(config, ShardSpec{layout_.tp, 0, W, 0});
+  CUDA_CHECK(cudaGetDevice(&device_));
+  groups_ = make_local_gpu_world(layout_);
+  try {
+    for (int w = 0; w < W; ++w) {
+      contexts_.push_back(std::make_unique<ops::cuda::Context>(ops::cuda::create_context()));
+      GpuRankOptions o = options;
+      o.shard = ShardSpec{layout_.tp, layout_.tp_rank(w), W, w};
+      o.loopback = false;
+      o.groups = &groups_[w];
+      GpuWeights weights;
+      {
+        const ModelWeights host = load_weights(config, src, o.shard);  // freed once on the device
+        weights = build_gpu_weights(config, o.shard, &host, upload_fill());
+      }
+      ranks_.push_back(std::make_unique<GpuRank>(config, std::move(weights), o, *contexts_.back()));
+    }
+  } catch (...) {
+    ranks_.clear();
+    for (auto& c : contexts_) ops::cuda::destroy_context(*c);
+    throw;
+  }
+}
+
+LocalGpuCluster::~LocalGpuCluster() {
+  for (auto& c : contexts_) cudaStreamSynchronize(c->stream);
+  ranks_.clear();
+  groups_.clear();
+  for (auto& c : contexts_) ops::cuda::destroy_context(*c);
+}
+
+void LocalGpuCluster::run(const std::function<void(int, GpuRank&)>& fn) {
+  std::exception_ptr first;
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  for (int w = 0; w < layout_.world(); ++w)
+    threads.emplace_back([&, w] {
+      try {
+        CUDA_CHECK(cudaSetDevice(device_));
+        fn(w, *ranks_[w]);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
+}
+
+}  // namespace k3

@@ -1,0 +1,274 @@
+// GPU tests of the collective helper kernels against their CPU references:
+// reduce_sum (ops/reduce.h: the rank-order sums of the device comm backends),
+// the fixed-capacity EP pack / combine (ops/ep.h) and DSA's DCP top-k steps
+// (ops/dcp.h, also against the top-k of the unsharded scores). All are exact:
+// the kernels must give the CPU's bits. Random inputs with mixed magnitudes (the sum depends on
+// the order), ids that include out-of-range ones, uneven destinations.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "ops/dcp.h"
+#include "ops/dsa.h"
+#include "ops/ep.h"
+#include "ops/reduce.h"
+
+namespace k3 {
+namespace {
+
+using gputest::download;
+using gputest::to_bf16_vec;
+using gputest::to_float_vec;
+using gputest::upload;
+
+#define K3_CU(expr) ASSERT_EQ(static_cast<int>(expr), 0) << #expr
+
+// Values whose FP32 sum depends on the order (1e4-scale and 1e-3-scale mixed).
+std::vector<float> mixed(size_t n, uint64_t seed) {
+  Rng r(seed);
+  std::vector<float> v(n);
+  for (auto& x : v) x = round_bf16(static_cast<float>(r.uniform(-1, 1) * (r.below(3) == 0 ? 1e4 : 1e-3)));
+  return v;
+}
+
+class ReduceSumCuda : public ::testing::TestWithParam<std::pair<int, int64_t>> {};
+
+TEST_P(ReduceSumCuda, BitwiseTheCpuRankOrderSum) {
+  K3_REQUIRE_GPU();
+  const auto [n, count] = GetParam();
+  std::vector<std::vector<float>> f(n);
+  std::vector<std::vector<bf16>> b(n);
+  std::vector<DeviceBuffer> df, db;
+  std::vector<const float*> pf, dpf;
+  std::vector<const bf16*> pb, dpb;
+  for (int p = 0; p < n; ++p) {
+    f[p] = mixed(static_cast<size_t>(count), 100 + p);
+    b[p] = to_bf16_vec(f[p]);
+    df.push_back(upload(f[p]));
+    db.push_back(upload(b[p]));
+  }
+  for (int p = 0; p < n; ++p) {
+    pf.push_back(f[p].data());
+    pb.push_back(b[p].data());
+    dpf.push_back(df[p].get<float>());
+    dpb.push_back(db[p].get<bf16>());
+  }
+  std::vector<float> want_f(count);
+  std::vector<bf16> want_b(count);
+  ops::reduce_sum_f32(pf.data(), n, want_f.data(), count);
+  ops::reduce_sum_bf16(pb.data(), n, want_b.data(), count);
+  DeviceBuffer of(count * 4 + 64), ob(count * 2 + 64);
+  K3_CU(ops::cuda::reduce_sum_f32(dpf.data(), n, of.get<float>(), count, gputest::ctx().stream));
+  K3_CU(ops::cuda::reduce_sum_bf16(dpb.data(), n, ob.get<bf16>(), count, gputest::ctx().stream));
+  auto got_f = download<float>(of, count);
+  auto got_b = download<bf16>(ob, count);
+  EXPECT_EQ(0, std::memcmp(got_f.data(), want_f.data(), count * 4)) << "F32, " << n << " parts";
+  EXPECT_EQ(0, std::memcmp(got_b.data(), want_b.data(), count * 2)) << "BF16, " << n << " parts";
+  // The order matters on these data (the test could fail): reversed order differs somewhere.
+  if (n >= 3 && count >= 1000) {
+    std::vector<const float*> rev(pf.rbegin(), pf.rend());
+    std::vector<float> r(count);
+    ops::reduce_sum_f32(rev.data(), n, r.data(), count);
+    EXPECT_NE(0, std::memcmp(r.data(), want_f.data(), count * 4));
+  }
+  // In place (out = part 0).
+  K3_CU(ops::cuda::reduce_sum_f32(dpf.data(), n, df[0].get<float>(), count, gputest::ctx().stream));
+  got_f = download<float>(df[0], count);
+  EXPECT_EQ(0, std::memcmp(got_f.data(), want_f.data(), count * 4)) << "F32 in place";
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ReduceSumCuda,
+                         ::testing::Values(std::make_pair(1, int64_t{7}), std::make_pair(2, int64_t{1}),
+                                           std::make_pair(3, int64_t{1023}), std::make_pair(8, int64_t{4099}),
+                                           std::make_pair(64, int64_t{300000})));
+
+TEST(ReduceSumCuda, RejectsBadArguments) {
+  K3_REQUIRE_GPU();
+  std::vector<const float*> p(ops::cuda::kReduceMaxParts + 1, nullptr);
+  float* out = nullptr;
+  EXPECT_NE(0, ops::cuda::reduce_sum_f32(p.data(), 0, out, 4, gputest::ctx().stream));
+  EXPECT_NE(0, ops::cuda::reduce_sum_f32(p.data(), ops::cuda::kReduceMaxParts + 1, out, 4, gputest::ctx().stream));
+  EXPECT_EQ(0, ops::cuda::reduce_sum_f32(p.data(), 2, out, 0, gputest::ctx().stream));
+}
+
+struct EpCase {
+  int64_t rows;
+  int k, L, W, experts_per_rank;
+  int64_t cap;  // >= rows k
+};
+
+class EpCuda : public ::testing::TestWithParam<EpCase> {};
+
+// pack on the GPU == pack on the CPU (slots, ids, rows); then an emulated exchange
+// (each slot's row "processed" by a per-expert scale), combine on both == bitwise.
+TEST_P(EpCuda, PackAndCombineMatchCpu) {
+  K3_REQUIRE_GPU();
+  const EpCase c = GetParam();
+  const int64_t pairs = c.rows * c.k, E = int64_t{c.W} * c.experts_per_rank, slots = c.W * c.cap;
+  Rng rng(77 + c.rows);
+  std::vector<int32_t> idx(static_cast<size_t>(pairs));
+  for (auto& x : idx) {
+    // Skewed: half of the pairs go to rank 0's experts; a few ids out of range.
+    const uint64_t u = rng.below(20);
+    x = u == 0 ? -1 : u == 1 ? static_cast<int32_t>(E) : u < 10 ? static_cast<int32_t>(rng.below(c.experts_per_rank))
+                                                                 : static_cast<int32_t>(rng.below(E));
+  }
+  const auto z = gputest::random_bf16_values(static_cast<size_t>(c.rows * c.L), 5 + c.L);
+  std::vector<float> w(static_cast<size_t>(pairs));
+  for (auto& x : w) x = static_cast<float>(rng.uniform(0.01, 2.0));
+  // CPU
+  std::vector<int32_t> slot(pairs, 7), ids(slots, 7);
+  std::vector<float> send(slots * c.L, 0.0f);
+  ops::ep_pack(idx.data(), z.data(), c.rows, c.k, c.L, c.experts_per_rank, c.W, c.cap, slot.data(), ids.data(),
+               send.data());
+  // GPU (send zeroed as the CPU's was, so unused rows compare equal)
+  DeviceBuffer d_idx = upload(idx), d_z = upload(to_bf16_vec(z)), d_slot(pairs * 4 + 4), d_ids(slots * 4 + 4),
+               d_send = upload(std::vector<bf16>(slots * c.L, to_bf16(0.0f)));
+  auto* s = gputest::ctx().stream;
+  K3_CU(ops::cuda::ep_pack(d_idx.get<int32_t>(), d_z.get<bf16>(), c.rows, c.k, c.L, c.experts_per_rank, c.W, c.cap,
+                           d_slot.get<int32_t>(), d_ids.get<int32_t>(), d_send.get<bf16>(), s));
+  EXPECT_EQ(download<int32_t>(d_slot, pairs), slot);
+  EXPECT_EQ(download<int32_t>(d_ids, slots), ids);
+  EXPECT_EQ(to_float_vec(download<bf16>(d_send, slots * c.L)), send);
+  // The CPU slots are the dispatch order of moe_ffn: per destination, pairs in (row, choice) order.
+  for (int64_t i = 0, prev = -1; i < pairs; ++i)
+    if (slot[i] >= 0 && slot[i] / c.cap == 0) {
+      EXPECT_GT(slot[i], prev);
+      prev = slot[i];
+    }
+  // Emulated exchange + expert: back[s] = bf16(send[s] * (1 + id / 8)).
+  std::vector<float> back(slots * c.L);
+  for (int64_t q = 0; q < slots; ++q)
+    for (int i = 0; i < c.L; ++i)
+      back[q * c.L + i] = ids[q] < 0 ? 0.0f : round_bf16(send[q * c.L + i] * (1.0f + static_cast<float>(ids[q]) / 8));
+  std::vector<float> y(c.rows * c.L);
+  ops::ep_combine(back.data(), slot.data(), w.data(), c.rows, c.k, c.L, y.data());
+  DeviceBuffer d_back = upload(to_bf16_vec(back)), d_w = upload(w), d_y(c.rows * c.L * 2 + 2);
+  K3_CU(ops::cuda::ep_combine(d_back.get<bf16>(), d_slot.get<int32_t>(), d_w.get<float>(), c.rows, c.k, c.L,
+                              d_y.get<bf16>(), s));
+  EXPECT_EQ(to_float_vec(download<bf16>(d_y, c.rows * c.L)), y);
+  // Independent check of the combine: the weighted sum of the row's chosen experts' outputs, directly.
+  double worst = 0;
+  for (int64_t r = 0; r < c.rows; ++r)
+    for (int i = 0; i < c.L; ++i) {
+      double want = 0;
+      for (int j = 0; j < c.k; ++j) {
+        const int32_t id = idx[r * c.k + j];
+        if (id < 0 || id >= E) continue;
+        want += w[r * c.k + j] * round_bf16(z[r * c.L + i] * (1.0f + static_cast<float>(id) / 8));
+      }
+      worst = std::max(worst, std::fabs(want - y[r * c.L + i]) / (1e-3 + std::fabs(want)));
+    }
+  EXPECT_LT(worst, 1e-2) << "combine vs the direct weighted sum";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, EpCuda,
+                         ::testing::Values(EpCase{1, 1, 8, 1, 16, 1}, EpCase{5, 4, 40, 2, 8, 20},
+                                           EpCase{13, 4, 64, 8, 2, 64}, EpCase{0, 4, 64, 4, 4, 16},
+                                           EpCase{64, 16, 3584, 8, 112, 1024}, EpCase{33, 3, 24, 3, 5, 100}));
+
+TEST(EpCuda, RejectsTooSmallACapacity) {
+  K3_REQUIRE_GPU();
+  EXPECT_NE(0, ops::cuda::ep_pack(nullptr, nullptr, 4, 2, 8, 1, 2, 7, nullptr, nullptr, nullptr,
+                                  gputest::ctx().stream));
+  std::vector<int32_t> idx(8, 0), slot(8), ids(14);
+  std::vector<float> z(32), send(14 * 8);
+  EXPECT_THROW(ops::ep_pack(idx.data(), z.data(), 4, 2, 8, 1, 2, 7, slot.data(), ids.data(), send.data()), Error);
+}
+
+struct DcpCase {
+  int64_t T;
+  int D, k, ld;
+};
+class DcpTopkCuda : public ::testing::TestWithParam<DcpCase> {};
+
+// Scores S[t, p] over positions p < ctx[t] (ties included) sharded by p mod D: each rank's
+// local top-k -> candidates -> scattered -> top-k == the top-k of S itself, and every
+// kernel step gives the CPU reference's bits.
+TEST_P(DcpTopkCuda, ShardedTopkEqualsTheGlobalTopk) {
+  K3_REQUIRE_GPU();
+  const DcpCase c = GetParam();
+  const int64_t T = c.T, ld = c.ld;
+  const int D = c.D, k = c.k;
+  auto* s = gputest::ctx().stream;
+  Rng rng(900 + D * 10 + k);
+  std::vector<int32_t> ctx(T);
+  std::vector<float> S(T * ld, -INFINITY);
+  for (int64_t t = 0; t < T; ++t) {
+    ctx[t] = static_cast<int32_t>(t == 0 ? 1 : 1 + rng.below(static_cast<uint64_t>(ld)));
+    for (int p = 0; p < ctx[t]; ++p) S[t * ld + p] = static_cast<float>(rng.below(9)) * 0.25f;  // many ties
+  }
+  // Per rank: local scores [T, ld] (local index j = position j D + r), local top-k on the CPU.
+  std::vector<float> all_s(D * T * k);
+  std::vector<int32_t> all_p(D * T * k);
+  std::vector<DeviceBuffer> keep;
+  for (int r = 0; r < D; ++r) {
+    std::vector<float> local(T * ld, -INFINITY);
+    std::vector<int32_t> n(T), sel(T * k, -1);
+    for (int64_t t = 0; t < T; ++t) {
+      n[t] = ctx[t] > r ? (ctx[t] - 1 - r) / D + 1 : 0;
+      for (int j = 0; j < n[t]; ++j) local[t * ld + j] = S[t * ld + j * D + r];
+      std::vector<int64_t> top(n[t]);
+      const int64_t kept = ops::topk_indices(&local[t * ld], n[t], k, top.data());
+      for (int64_t j = 0; j < kept; ++j) sel[t * k + j] = static_cast<int32_t>(top[j]);
+      n[t] = static_cast<int32_t>(kept);
+    }
+    std::vector<float> cs(T * k);
+    std::vector<int32_t> cp(T * k);
+    ops::dcp_topk_candidates(local.data(), ld, sel.data(), n.data(), T, k, D, r, cs.data(), cp.data());
+    DeviceBuffer d_local = upload(local), d_sel = upload(sel), d_n = upload(n), d_cs(T * k * 4 + 4), d_cp(T * k * 4 + 4);
+    K3_CU(ops::cuda::dcp_topk_candidates(d_local.get<float>(), ld, d_sel.get<int32_t>(), d_n.get<int32_t>(), T, k, D,
+                                         r, d_cs.get<float>(), d_cp.get<int32_t>(), s));
+    EXPECT_EQ(download<float>(d_cs, T * k), cs) << "candidates, rank " << r;
+    EXPECT_EQ(download<int32_t>(d_cp, T * k), cp) << "candidates, rank " << r;
+    std::copy(cs.begin(), cs.end(), all_s.begin() + r * T * k);
+    std::copy(cp.begin(), cp.end(), all_p.begin() + r * T * k);
+  }
+  std::vector<float> dense(T * ld);
+  ops::dcp_scatter_candidates(all_s.data(), all_p.data(), D, T, k, ld, dense.data());
+  DeviceBuffer d_all_s = upload(all_s), d_all_p = upload(all_p), d_dense(T * ld * 4 + 4);
+  K3_CU(ops::cuda::dcp_scatter_candidates(d_all_s.get<float>(), d_all_p.get<int32_t>(), D, T, k, ld,
+                                          d_dense.get<float>(), s));
+  EXPECT_EQ(download<float>(d_dense, T * ld), dense) << "scatter";
+  // The global selection from the scattered candidates == the top-k of S (positions by score, ties low).
+  std::vector<int32_t> sel_g(T * k, -1), n_g(T);
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int64_t> a(ctx[t]), b(ctx[t]);
+    const int64_t ka = ops::topk_indices(&dense[t * ld], ctx[t], k, a.data());
+    const int64_t kb = ops::topk_indices(&S[t * ld], ctx[t], k, b.data());
+    ASSERT_EQ(ka, kb);
+    for (int64_t j = 0; j < ka; ++j) {
+      EXPECT_EQ(a[j], b[j]) << "row " << t << " rank " << j << ": sharded top-k differs from the global top-k";
+      sel_g[t * k + j] = static_cast<int32_t>(a[j]);
+    }
+    n_g[t] = static_cast<int32_t>(ka);
+  }
+  // Local selections: exact vs CPU, and together they are the global selection.
+  DeviceBuffer d_sel_g = upload(sel_g), d_n_g = upload(n_g);
+  int64_t total = 0;
+  for (int r = 0; r < D; ++r) {
+    std::vector<int32_t> out(T * k), cnt(T);
+    ops::dcp_local_selection(sel_g.data(), n_g.data(), T, k, D, r, out.data(), cnt.data());
+    DeviceBuffer d_out(T * k * 4 + 4), d_cnt(T * 4 + 4);
+    K3_CU(ops::cuda::dcp_local_selection(d_sel_g.get<int32_t>(), d_n_g.get<int32_t>(), T, k, D, r,
+                                         d_out.get<int32_t>(), d_cnt.get<int32_t>(), s));
+    EXPECT_EQ(download<int32_t>(d_out, T * k), out) << "local selection, rank " << r;
+    EXPECT_EQ(download<int32_t>(d_cnt, T), cnt) << "local selection counts, rank " << r;
+    for (int64_t t = 0; t < T; ++t) {
+      total += cnt[t];
+      for (int j = 0; j < cnt[t]; ++j) EXPECT_LT(out[t * k + j] * D + r, ctx[t]);
+    }
+  }
+  int64_t want = 0;
+  for (int64_t t = 0; t < T; ++t) want += n_g[t];
+  EXPECT_EQ(total, want) << "the local selections partition the global one";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, DcpTopkCuda,
+                         ::testing::Values(DcpCase{5, 2, 3, 40}, DcpCase{9, 4, 8, 48}, DcpCase{3, 8, 4, 70},
+                                           DcpCase{17, 2, 64, 200}, DcpCase{4, 3, 40, 33}));
+
+}  // namespace
+}  // namespace k3

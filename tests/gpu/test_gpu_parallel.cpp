@@ -1,0 +1,347 @@
+// The parallel-runtime matrix on one GPU: every layout of tests/test_parallel.cpp
+// as GpuRanks on one device (LocalGpuCluster: ranks as threads, the local GPU
+// comm backend), both steps, both variants, against the single-rank CPU Engine.
+//   GpuParallel.MatchesCpuSingleRank/<layout>  teacher-forced scripts per DP
+//       replica (prefill chunks, a q = 2 step, decode, a one-row step (rows <
+//       G), verify q = 3 accepting 2 / 1 / 0, decode, verify q = 4 accepting
+//       1 / 3 / 2, decode; idle replicas step with B = 0), logits within the
+//       tolerance rule of test_parallel.cpp; every rank of a replica returns
+//       bitwise the same logits
+//   GpuParallel.GraphsAreAClearError  run_graph() on the local GPU backend is a
+//       k3::Error naming the comm, on every rank (no hang)
+// Every case prints one line (layout, variant, step, rows, median / p80 / p95 /
+// mean / worst and where the worst row is); a failure names layout, variant,
+// step, replica, op and row. Ranks never assert in their threads: they record,
+// and a rank that throws prints its error at once (its peers would wait in a
+// collective); a watchdog ends the process if the ranks do not finish.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "gpu_test_util.h"
+#include "io/synthetic.h"
+#include "runtime/engine.h"
+#include "runtime/gpu_cluster.h"
+
+namespace k3 {
+namespace {
+
+// The rule of tests/test_parallel.cpp (per row: max |diff| / (max - min of the reference row)).
+constexpr double kMedianTol = 0.01, kP80Tol = 0.03, kMeanTol = 0.04, kWorstTol = 0.5;
+
+struct Model {
+  ModelConfig config;
+  std::shared_ptr<const TensorSource> src;
+};
+const Model& tiny(const std::string& variant) {
+  static std::map<std::string, Model> models;
+  auto it = models.find(variant);
+  if (it == models.end()) {
+    ModelConfig c = preset_config("tiny", variant);
+    it = models.emplace(variant, Model{c, make_synthetic(c, 0)}).first;
+  }
+  return it->second;
+}
+
+// ---- scripts (as test_parallel.cpp: request i served by replica i mod dp)
+
+struct Op {
+  std::vector<int> reqs;
+  int q = 1;
+  std::vector<int32_t> tokens;  // [B q]
+  std::vector<int> commits;     // [B]
+  std::string what;
+};
+struct Script {
+  int dp = 1;
+  std::vector<int> prompt_len;
+  std::vector<std::vector<int>> requests;  // per replica
+  std::vector<std::vector<Op>> ops;        // per replica
+  int rounds = 0;
+};
+
+Script make_script(int dp, int vocab) {
+  Script s;
+  s.dp = dp;
+  s.prompt_len = dp == 1 ? std::vector<int>{7, 2, 5} : std::vector<int>{7, 2, 5, 3, 1};
+  const int n = static_cast<int>(s.prompt_len.size());
+  s.requests.resize(dp);
+  s.ops.resize(dp);
+  for (int i = 0; i < n; ++i) s.requests[i % dp].push_back(i);
+  Rng rng(4242);
+  auto tokens = [&](int k) {
+    std::vector<int32_t> t(static_cast<size_t>(k));
+    for (auto& x : t) x = static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab)));
+    return t;
+  };
+  for (int p = 0; p < dp; ++p) {
+    const std::vector<int>& R = s.requests[p];
+    const int B = static_cast<int>(R.size());
+    auto all = [&](int q, std::vector<int> commits, const char* what) {
+      Op op{R, q, tokens(B * q), commits.empty() ? std::vector<int>(B, q) : commits, what};
+      op.commits.resize(B);
+      return op;
+    };
+    for (int id : R)
+      for (int at = 0; at < s.prompt_len[id]; at += 4) {
+        const int q = std::min(4, s.prompt_len[id] - at);
+        s.ops[p].push_back(Op{{id}, q, tokens(q), {q}, "prefill chunk"});
+      }
+    s.ops[p].push_back(all(2, {}, "q 2"));
+    s.ops[p].push_back(all(1, {}, "decode"));
+    s.ops[p].push_back(all(1, {}, "decode"));
+    s.ops[p].push_back(Op{{R[0]}, 1, tokens(1), {1}, "one row"});
+    s.ops[p].push_back(all(3, {2, 1, 0}, "verify q 3 accept 2/1/0"));
+    s.ops[p].push_back(all(1, {}, "decode"));
+    s.ops[p].push_back(all(1, {}, "decode"));
+    s.ops[p].push_back(all(4, {1, 3, 2}, "verify q 4 accept 1/3/2"));
+    s.ops[p].push_back(all(1, {}, "decode"));
+    s.ops[p].push_back(all(1, {}, "decode"));
+    s.rounds = std::max(s.rounds, static_cast<int>(s.ops[p].size()));
+  }
+  return s;
+}
+
+// The single-rank CPU reference: [replica][op] logits.
+std::vector<std::vector<std::vector<float>>> play_reference(const Model& m, const Script& s) {
+  CacheOptions co;
+  co.max_slots = 6;
+  co.max_context = 48;
+  co.max_q = 4;
+  co.page_size = 4;
+  Engine e(m.src, m.config, EngineOptions(co));
+  std::map<int, int> slot_of;
+  for (size_t i = 0; i < s.prompt_len.size(); ++i) slot_of[static_cast<int>(i)] = e.admit();
+  std::vector<std::vector<std::vector<float>>> out(s.dp);
+  for (int j = 0; j < s.rounds; ++j)
+    for (int p = 0; p < s.dp; ++p) {
+      if (j >= static_cast<int>(s.ops[p].size())) continue;
+      const Op& op = s.ops[p][j];
+      std::vector<int> slots;
+      for (int id : op.reqs) slots.push_back(slot_of.at(id));
+      out[p].push_back(e.step(slots, op.q, op.tokens));
+      for (size_t b = 0; b < slots.size(); ++b) e.commit(slots[b], op.commits[b]);
+    }
+  return out;
+}
+
+GpuRankOptions gpu_opts() {
+  GpuRankOptions o;
+  o.max_slots = 4;
+  o.max_batch = 3;
+  o.max_q = 4;
+  o.max_context = 48;
+  o.page_size = 4;
+  return o;
+}
+
+constexpr int kWatchdogSeconds = 600;
+
+// cluster.run(fn) under a watchdog; a rank's exception is printed at once and rethrown after.
+void run_watched(LocalGpuCluster& cluster, const std::string& what, const std::function<void(int, GpuRank&)>& fn) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::exception_ptr err;
+  std::thread runner([&] {
+    try {
+      cluster.run([&](int w, GpuRank& r) {
+        try {
+          fn(w, r);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "[ gpu parallel ] %s: world rank %d threw: %s\n", what.c_str(), w, e.what());
+          std::fflush(stderr);
+          throw;
+        }
+      });
+    } catch (...) {
+      err = std::current_exception();
+    }
+    std::lock_guard lk(mu);
+    done = true;
+    cv.notify_all();
+  });
+  {
+    std::unique_lock lk(mu);
+    if (!cv.wait_for(lk, std::chrono::seconds(kWatchdogSeconds), [&] { return done; })) {
+      std::fprintf(stderr, "[ gpu parallel ] %s: ranks still running after %d s (a rank is stuck in a collective)\n",
+                   what.c_str(), kWatchdogSeconds);
+      std::fflush(stderr);
+      std::_Exit(3);
+    }
+  }
+  runner.join();
+  if (err) std::rethrow_exception(err);
+}
+
+// Every world rank's logits per op of its replica.
+std::vector<std::vector<std::vector<float>>> play_gpu(LocalGpuCluster& cluster, const Script& s, StepKind kind,
+                                                      const std::string& what) {
+  const Layout& L = cluster.layout();
+  std::vector<std::vector<std::vector<float>>> per_rank(L.world());
+  run_watched(cluster, what, [&](int w, GpuRank& g) {
+    const int p = L.replica(w);
+    std::map<int, int> slot_of;
+    for (int id : s.requests[p]) slot_of[id] = g.admit();
+    for (int j = 0; j < s.rounds; ++j) {
+      if (j >= static_cast<int>(s.ops[p].size())) {
+        g.prepare({}, 1, {});  // idle replica: only the EP exchanges
+        g.enqueue(kind);
+        continue;
+      }
+      const Op& op = s.ops[p][j];
+      std::vector<int> slots;
+      for (int id : op.reqs) slots.push_back(slot_of.at(id));
+      g.prepare(slots, op.q, op.tokens);
+      g.enqueue(kind);
+      per_rank[w].push_back(g.logits());
+      g.commit(slots, op.commits);
+    }
+  });
+  return per_rank;
+}
+
+struct Ratio {
+  std::vector<double> all;
+  double worst = -1;
+  std::string worst_where;
+  double quantile(double f) const {
+    if (all.empty()) return 0;
+    std::vector<double> v = all;
+    std::sort(v.begin(), v.end());
+    return v[static_cast<size_t>(std::ceil(f * static_cast<double>(v.size() - 1)))];
+  }
+  double mean() const {
+    double t = 0;
+    for (double v : all) t += v;
+    return all.empty() ? 0 : t / static_cast<double>(all.size());
+  }
+  void add(const std::vector<float>& want, const std::vector<float>& got, int64_t V, const std::string& where) {
+    const int64_t n = static_cast<int64_t>(want.size()) / V;
+    for (int64_t r = 0; r < n; ++r) {
+      const float* a = want.data() + r * V;
+      const bool have = static_cast<int64_t>(got.size()) >= (r + 1) * V;
+      float lo = a[0], hi = a[0];
+      double diff = have ? 0.0 : INFINITY;
+      for (int64_t i = 0; i < V && have; ++i) {
+        lo = std::min(lo, a[i]);
+        hi = std::max(hi, a[i]);
+        const double d = std::fabs(static_cast<double>(a[i]) - got[r * V + i]);
+        diff = std::isnan(d) ? INFINITY : std::max(diff, d);
+      }
+      const double ratio = hi > lo ? diff / (hi - lo) : (diff > 0 ? INFINITY : 0.0);
+      if (ratio > worst) {
+        worst = ratio;
+        worst_where = where + " row " + std::to_string(r);
+      }
+      all.push_back(ratio);
+    }
+  }
+  std::string summary() const {
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "rows %3zu  median %.4f  p80 %.4f  p95 %.4f  mean %.4f  worst %.4f (%s)",
+                  all.size(), quantile(0.5), quantile(0.8), quantile(0.95), mean(), worst, worst_where.c_str());
+    return buf;
+  }
+};
+
+struct LayoutCase {
+  int tp, dp, dcp;
+};
+std::string layout_name(const LayoutCase& c) {
+  return "tp" + std::to_string(c.tp) + "_dp" + std::to_string(c.dp) + "_dcp" + std::to_string(c.dcp);
+}
+[[maybe_unused]] void PrintTo(const LayoutCase& c, std::ostream* os) { *os << layout_name(c); }
+
+class GpuParallel : public ::testing::TestWithParam<LayoutCase> {};
+
+TEST_P(GpuParallel, MatchesCpuSingleRank) {
+  K3_REQUIRE_GPU();
+  const Layout L{GetParam().tp, GetParam().dp, GetParam().dcp};
+  for (const char* variant : {"k3", "k3.1"}) {
+    const Model& m = tiny(variant);
+    const int64_t V = m.config.vocab_size;
+    const Script s = make_script(L.dp, static_cast<int>(V));
+    const auto ref = play_reference(m, s);
+    std::map<StepKind, std::vector<std::vector<std::vector<float>>>> runs;
+    for (StepKind kind : {StepKind::Stock, StepKind::Hybrid}) {
+      const std::string what = layout_name(GetParam()) + " " + variant + " " + step_kind_name(kind);
+      SCOPED_TRACE(what);
+      LocalGpuCluster cluster(*m.src, m.config, gpu_opts(), L);
+      auto per_rank = play_gpu(cluster, s, kind, what);
+      Ratio r;
+      for (int w = 0; w < L.world(); ++w) {
+        const int p = L.replica(w), lead = p * L.tp;
+        ASSERT_EQ(per_rank[w].size(), ref[p].size()) << what << ": world rank " << w << " ops";
+        for (size_t j = 0; j < ref[p].size(); ++j) {
+          const Op& op = s.ops[p][j];
+          const std::string where = "replica " + std::to_string(p) + " op " + std::to_string(j) + " (" + op.what +
+                                    ", B " + std::to_string(op.reqs.size()) + " q " + std::to_string(op.q) + ")";
+          if (w != lead) {
+            const auto& a = per_rank[w][j];
+            const auto& b = per_rank[lead][j];
+            EXPECT_TRUE(a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0)
+                << what << ": world rank " << w << " logits differ from rank " << lead << " of its replica at "
+                << where;
+            continue;
+          }
+          ASSERT_EQ(per_rank[w][j].size(), ref[p][j].size()) << what << ": " << where;
+          r.add(ref[p][j], per_rank[w][j], V, where);
+        }
+      }
+      std::printf("[ gpu parallel ] %-13s %-4s %-6s %s\n", layout_name(GetParam()).c_str(), variant,
+                  step_kind_name(kind), r.summary().c_str());
+      std::fflush(stdout);
+      EXPECT_LE(r.quantile(0.5), kMedianTol) << what << ": median row ratio; " << r.summary();
+      EXPECT_LE(r.quantile(0.8), kP80Tol) << what << ": 80th percentile row ratio; " << r.summary();
+      EXPECT_LE(r.mean(), kMeanTol) << what << ": mean row ratio; " << r.summary();
+      EXPECT_LE(r.worst, kWorstTol) << what << ": worst row; " << r.summary();
+      runs[kind] = std::move(per_rank);
+    }
+    // Informational: stock and hybrid are bitwise equal on the CPU; on the GPU the
+    // dense MLP runs on shard rows (stock) vs all rows (hybrid) and cuBLASLt may
+    // pick another kernel for another row count.
+    size_t same = 0, total = 0;
+    for (size_t w = 0; w < runs[StepKind::Stock].size(); ++w)
+      for (size_t j = 0; j < runs[StepKind::Stock][w].size(); ++j, ++total) {
+        const auto& a = runs[StepKind::Stock][w][j];
+        const auto& b = runs[StepKind::Hybrid][w][j];
+        same += a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+      }
+    std::printf("[ gpu parallel ] %-13s %-4s stock == hybrid bitwise on %zu of %zu (rank, op)\n",
+                layout_name(GetParam()).c_str(), variant, same, total);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GpuParallel,
+                         ::testing::Values(LayoutCase{1, 1, 1}, LayoutCase{2, 1, 1}, LayoutCase{2, 1, 2},
+                                           LayoutCase{4, 1, 1}, LayoutCase{4, 1, 4}, LayoutCase{2, 2, 1},
+                                           LayoutCase{2, 2, 2}, LayoutCase{4, 2, 2}, LayoutCase{8, 1, 8},
+                                           LayoutCase{1, 2, 1}),
+                         [](const ::testing::TestParamInfo<LayoutCase>& i) { return layout_name(i.param); });
+
+TEST(GpuParallelGraphs, CaptureOnTheLocalBackendIsAClearError) {
+  K3_REQUIRE_GPU();
+  const Model& m = tiny("k3");
+  LocalGpuCluster cluster(*m.src, m.config, gpu_opts(), Layout{2, 1, 1});
+  std::vector<std::string> errors(2);
+  run_watched(cluster, "graphs", [&](int w, GpuRank& g) {
+    const int slot = g.admit();
+    const std::vector<int32_t> tok = {3};
+    g.prepare(std::vector<int>{slot}, 1, tok);
+    try {
+      g.run_graph(StepKind::Hybrid);
+    } catch (const Error& e) {
+      errors[w] = e.what();
+    }
+  });
+  for (const auto& e : errors) EXPECT_NE(e.find("local_gpu"), std::string::npos) << "got: '" << e << "'";
+}
+
+}  // namespace
+}  // namespace k3
