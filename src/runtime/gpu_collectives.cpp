@@ -42,10 +42,18 @@ void GpuCollectives::tp_all_gather_rows(const bf16* shard, bf16* all, int64_t m,
     groups_->tp->all_gather(shard, all, c * D, DType::BF16);
     return;
   }
-  for (int g = 0; g < G_; ++g) {
-    const int64_t g0 = std::min(m, g * c), n = std::min(m, g0 + c) - g0;
-    if (n > 0 && all + g0 * D != shard)
-      CUDA_CHECK(cudaMemcpyAsync(all + g0 * D, shard, n * D * 2, cudaMemcpyDeviceToDevice, stream_));
+  // Loopback: the shard, then the filled prefix doubled (log2 G copies of the same bytes as G copies).
+  if (m == 0) return;
+  const int64_t first = std::min(m, c);
+  if (all != shard) CUDA_CHECK(cudaMemcpyAsync(all, shard, first * D * 2, cudaMemcpyDeviceToDevice, stream_));
+  replicate_rows(all, first, m, D);
+}
+
+void GpuCollectives::replicate_rows(bf16* buf, int64_t filled, int64_t total, int64_t D) {
+  while (filled > 0 && filled < total) {
+    const int64_t n = std::min(filled, total - filled);
+    CUDA_CHECK(cudaMemcpyAsync(buf + filled * D, buf, n * D * 2, cudaMemcpyDeviceToDevice, stream_));
+    filled += n;
   }
 }
 

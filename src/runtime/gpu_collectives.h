@@ -39,6 +39,9 @@ class GpuCollectives {
   // TP all-gather of row shards: shard BF16 [c, D] -> all [G c, D] (rows >= m are padding; loopback: this
   // shard in every slot, the first m rows only).
   void tp_all_gather_rows(const bf16* shard, bf16* all, int64_t m, int64_t D);
+  // Loopback helper: rows [0, filled) of buf [total, D] repeated up to `total` rows by doubling copies
+  // (the bytes of total - filled rows in about log2(total / filled) graph nodes instead of one per piece).
+  void replicate_rows(bf16* buf, int64_t filled, int64_t total, int64_t D);
   // TP reduce-scatter: partial BF16 [G c, D] (rows >= m zero) -> shard [c, D] = sum of every rank's rows
   // [t c, (t+1) c) (loopback: this rank's own rows, plus G - 1 copies of the shard's bytes into `scratch`).
   void tp_reduce_scatter_rows(const bf16* partial, bf16* shard, int64_t m, int64_t D, bf16* scratch);

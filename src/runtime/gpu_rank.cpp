@@ -624,9 +624,7 @@ void GpuRank::moe(int l, const bf16* x, int64_t rows, bf16* out) {
     bf16* exchange = scratch_bf16(at, 2 * rows * k * L);  // sent rows, then received outputs
     const int64_t m = int64_t{B_} * q_, recv = std::min<int64_t>(rows * k, (m * k + G_ - 1) / G_);
     CUDA_CHECK(cudaMemcpyAsync(exchange, z, rows * L * 2, cudaMemcpyDeviceToDevice, s));  // dispatch (send side)
-    for (int64_t r = rows; r < rows * k; r += rows)
-      CUDA_CHECK(cudaMemcpyAsync(exchange + r * L, z, std::min(rows, rows * k - r) * L * 2, cudaMemcpyDeviceToDevice,
-                                 s));
+    coll_.replicate_rows(exchange, rows, rows * k, L);
     K3_LAUNCH(cu::remap_experts(idx, recv, w.expert_begin, count, s));
     bf16* got = exchange + rows * k * L;  // the received pairs' outputs
     K3_LAUNCH(cu::moe_experts(ctx_, exchange, idx, wts, weights_.tables[l], w.expert_begin, count, got, moe_scratch,
