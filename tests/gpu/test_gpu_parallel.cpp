@@ -140,7 +140,7 @@ GpuRankOptions gpu_opts() {
   return o;
 }
 
-constexpr int kWatchdogSeconds = 600;
+constexpr int kWatchdogSeconds = 180;  // the tiny layouts take seconds (memcheck: tens)
 
 // cluster.run(fn) under a watchdog; a rank's exception is printed at once and rethrown after.
 void run_watched(LocalGpuCluster& cluster, const std::string& what, const std::function<void(int, GpuRank&)>& fn) {
