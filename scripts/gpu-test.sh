@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
 status=0
 "$bin/k3_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |\[ gpu( parallel)? \]|tests ran" || true
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-if [ -x "$bin/k3_comm_nccl_test" ]; then
+if [ -x "$bin/k3_comm_nccl_test" ] && command -v mpirun >/dev/null; then
   # The nccl backend, one process on the one GPU (more ranks need more GPUs: NCCL
   # refuses two ranks on one device).
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --allow-run-as-root -np 1 \
