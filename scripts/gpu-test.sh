@@ -3,7 +3,8 @@
 # reference, the tiny models on the GPU against the CPU engine (eager and
 # graphed), the parallel-runtime matrix on one GPU (GpuParallel: every layout
 # as ranks-as-threads with the local GPU comm), compute-sanitizer memcheck over
-# the tiny-model run and one multi-rank layout, and (with
+# the tiny-model run and one multi-rank layout, the nccl backend through
+# mpirun -np 1 (when built with K3_NCCL), and (with
 # --bench) the rank-slice benchmark of both variants. Logs go to $OUT (or
 # out/gpu). Uses the binaries in $K3_BIN when given (carried from another
 # machine, with the shared libraries they need beside them), else builds
@@ -22,6 +23,13 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=c
 status=0
 "$bin/k3_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |\[ gpu( parallel)? \]|tests ran" || true
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if [ -x "$bin/k3_comm_nccl_test" ] && command -v mpirun >/dev/null; then
+  # The nccl backend, one process on the one GPU (more ranks need more GPUs: NCCL
+  # refuses two ranks on one device).
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 mpirun --allow-run-as-root -np 1 \
+    "$bin/k3_comm_nccl_test" --tp 1 --dp 1 --dcp 1 2>&1 | tee "$out/comm_nccl.log" | tail -3
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 if command -v compute-sanitizer >/dev/null; then
   compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" --gtest_filter='GpuRank*' \
     >"$out/memcheck.log" 2>&1 || status=1
