@@ -31,7 +31,7 @@ if [ -x "$bin/k3_comm_nccl_test" ] && command -v mpirun >/dev/null; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 if command -v compute-sanitizer >/dev/null; then
-  compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" --gtest_filter='GpuRank*' \
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" --gtest_filter='*GpuRankVsCpu*' \
     >"$out/memcheck.log" 2>&1 || status=1
   tail -3 "$out/memcheck.log"
   # The multi-rank step on one GPU (ranks as threads, local GPU comm): one layout with TP, DP and DCP.
