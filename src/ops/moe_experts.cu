@@ -12,7 +12,8 @@
 // times the E8M0 power of two: exact), so the tensor-core products are the exact dequantized
 // products; only the FP32 summation order differs from the CPU. A CTA is 4 warps splitting K, their
 // partials summed in warp order through shared memory (deterministic). The weight stream is
-// software-pipelined one chunk ahead; a CTA walks a contiguous range of (slot, tile) items.
+// streamed through a 4-deep cp.async ring in shared memory per warp; a CTA walks a contiguous range of
+// (slot, tile) items.
 #include <algorithm>
 
 #include "ops/cuda_bf16.cuh"
@@ -118,6 +119,7 @@ constexpr int kTokTile = 8;
 constexpr int kSplitK = 4;
 constexpr int kMmaThreads = kSplitK * kWarp;
 constexpr int kChunkK = 128;  // K values per warp step: one 32-value scale group per lane of a quad
+constexpr int kStages = 4;    // weight chunks in flight per warp (cp.async ring)
 
 // 8 E2M1 nibbles of w (nibble i = value i, low nibble first) -> 4 BF16x2 words (word p = values 2p, 2p+1,
 // the lower value in the low half), exact. The magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6) come from two byte
@@ -150,14 +152,16 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t v, __nv_bfloat162 s) {
   return *reinterpret_cast<const uint32_t*>(&x);
 }
 
-// A 16-byte read-only load that asks L2 to fetch the surrounding 256 bytes: a weight row is read in
-// 64-byte steps, so the next three chunks of the row are on their way when this one arrives.
-__device__ __forceinline__ uint4 ldg_l2_256(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
+// 16 bytes global -> shared, asynchronous, bypassing L1; L2 fetches the surrounding 256 bytes (a weight
+// row is read in 64-byte steps, so the row's next chunks are on their way too).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(a), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -184,6 +188,7 @@ __global__ void __launch_bounds__(kMmaThreads)
                    int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
   constexpr int kAcc = 2 * NT * 4;  // two A operands x NT token tiles x 4 accumulators per lane
   __shared__ float part[kSplitK][kAcc][kWarp];
+  __shared__ uint4 wring[kSplitK][kStages][4][kWarp];  // per warp: kStages chunks of 4 weight pieces per lane
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
   const int64_t items = static_cast<int64_t>(*plan.n_active) * tiles_per_slot;
   const int64_t per = (items + gridDim.x - 1) / gridDim.x;
@@ -226,40 +231,59 @@ __global__ void __launch_bounds__(kMmaThreads)
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
-      // Weights (HBM) and activations (L2) of the next chunk are loaded before the current one is used.
-      // Loads are unconditional so they issue together: a lane's group past K reads one inside the row
-      // instead (finite values that meet zero weights).
-      uint4 wq[2][2], xb[NT][4];
+      // Weights stream from HBM through a kStages-deep cp.async ring in shared memory (each lane copies
+      // and later reads back only its own 16-byte pieces, so no barrier is needed); the scales and the
+      // activations (L2) of the next chunk are loaded into registers before the current chunk is used.
+      // Loads are unconditional: a lane's group past K reads one inside the row instead (finite values
+      // that meet zero weights).
+      auto issue = [&](int64_t c) {
+        if (c < c_end) {
+          const int64_t cw = c * kChunkK + 32 * t < K ? c : 0;
+          uint4* slot = &wring[warp][(c - c_begin) % kStages][0][0];
+#pragma unroll
+          for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) cp_async16(slot + (m * 2 + h) * kWarp + lane, ap[m][h] + cw * (kChunkK / 2));
+        }
+        cp_async_commit();  // an empty group past c_end keeps the group count uniform
+      };
+      uint4 xb[NT][4];
       uint32_t ws[2][2];
-      auto load = [&](int64_t c, uint4 (&q)[2][2], uint32_t (&s)[2][2], uint4 (&b)[NT][4]) {
-        const bool ok = c < c_end && c * kChunkK + 32 * t < K;
-        const int64_t cw = ok ? c : 0;
+      auto load = [&](int64_t c, uint32_t (&s)[2][2], uint4 (&b)[NT][4]) {
+        const int64_t cw = c < c_end && c * kChunkK + 32 * t < K ? c : 0;
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            q[m][h] = ldg_l2_256(ap[m][h] + cw * (kChunkK / 2));
-            s[m][h] = __ldg(as[m][h] + cw * (kChunkK / 32));
-            if (!ok) q[m][h] = make_uint4(0, 0, 0, 0);
-          }
+          for (int h = 0; h < 2; ++h) s[m][h] = __ldg(as[m][h] + cw * (kChunkK / 32));
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int v = 0; v < 4; ++v) b[j][v] = __ldg(reinterpret_cast<const uint4*>(xr[j] + cw * kChunkK) + v);
       };
-      load(c_begin, wq, ws, xb);
+#pragma unroll
+      for (int i = 0; i < kStages - 1; ++i) issue(c_begin + i);
+      load(c_begin, ws, xb);
       for (int64_t c = c_begin; c < c_end; ++c) {
-        uint4 cq[2][2], cb[NT][4];
+        issue(c + kStages - 1);
+        uint4 cb[NT][4];
         uint32_t cs[2][2];
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) cq[m][h] = wq[m][h], cs[m][h] = ws[m][h];
+          for (int h = 0; h < 2; ++h) cs[m][h] = ws[m][h];
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int v = 0; v < 4; ++v) cb[j][v] = xb[j][v];
-        load(c + 1, wq, ws, xb);
+        load(c + 1, ws, xb);
+        cp_async_wait<kStages - 1>();  // this lane's copies of chunk c have landed
+        const bool ok = c * kChunkK + 32 * t < K;
+        uint4 cq[2][2];
+        const uint4* slot = &wring[warp][(c - c_begin) % kStages][0][0];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) cq[m][h] = ok ? slot[(m * 2 + h) * kWarp + lane] : make_uint4(0, 0, 0, 0);
         __nv_bfloat162 sc[2][2];
 #pragma unroll
         for (int m = 0; m < 2; ++m)

@@ -41,7 +41,6 @@ __global__ void __launch_bounds__(kRouteThreads)
   __syncthreads();
   int32_t* it = idx + t * k;
   float* wt = w + t * k;
-  float sum = 0.f;
   for (int i = 0; i < k; ++i) {
     float bv = -INFINITY;
     int be = -1;
@@ -62,14 +61,16 @@ __global__ void __launch_bounds__(kRouteThreads)
       for (int j = 1; j < kRouteThreads / kWarp; ++j)
         if (better(wv[j], we[j], bv, be)) bv = wv[j], be = we[j];
       key[be] = NAN;
-      const float s = sigmoid_ref(lt[be]);
       it[i] = be;
-      wt[i] = s;
-      sum += s;
     }
     __syncthreads();
   }
+  // The chosen experts' unbiased s, loaded in parallel; thread 0 sums them in selection order.
+  for (int i = threadIdx.x; i < k; i += kRouteThreads) wt[i] = sigmoid_ref(lt[it[i]]);
+  __syncthreads();
   if (threadIdx.x == 0) {
+    float sum = 0.f;
+    for (int i = 0; i < k; ++i) sum += wt[i];
     for (int i = 0; i < k; ++i) wt[i] = renormalize ? wt[i] / (sum + 1e-20f) * scale : wt[i] * scale;
   }
 }
