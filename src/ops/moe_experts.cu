@@ -8,12 +8,11 @@
 //   down:    per (slot, 32 rows of L): o[pair] = bf16(W2 h[pair]);
 //   combine: y[r, i] = bf16(sum_j w[r, j] o[(r, j), i]) over the local j in order, unfused FP32 as the CPU.
 // W4A16: each lane loads 16 packed bytes (one 32-value scale group) of a weight row per 128-value
-// chunk and dequantizes them exactly to BF16 in registers (E2M1 magnitudes from PRMT byte tables,
-// times the E8M0 power of two: exact), so the tensor-core products are the exact dequantized
+// chunk and dequantizes them exactly to BF16 in registers (two E2M1 values per lookup in a shared-memory
+// table, times the E8M0 power of two: exact), so the tensor-core products are the exact dequantized
 // products; only the FP32 summation order differs from the CPU. A CTA is 4 warps splitting K, their
 // partials summed in warp order through shared memory (deterministic). The weight stream is
-// streamed through a 4-deep cp.async ring in shared memory per warp; a CTA walks a contiguous range of
-// (slot, tile) items.
+// software-pipelined one chunk ahead; a CTA walks a contiguous range of (slot, tile) items.
 #include <algorithm>
 
 #include "ops/cuda_bf16.cuh"
@@ -119,23 +118,29 @@ constexpr int kTokTile = 8;
 constexpr int kSplitK = 4;
 constexpr int kMmaThreads = kSplitK * kWarp;
 constexpr int kChunkK = 128;  // K values per warp step: one 32-value scale group per lane of a quad
-constexpr int kStages = 4;    // weight chunks in flight per warp (cp.async ring)
 
-// 8 E2M1 nibbles of w (nibble i = value i, low nibble first) -> 4 BF16x2 words (word p = values 2p, 2p+1,
-// the lower value in the low half), exact. The magnitudes (0, .5, 1, 1.5, 2, 3, 4, 6) come from two byte
-// tables by PRMT (high bytes 00 3F 3F 3F 40 40 40 40, low bytes 00 00 80 C0 00 40 80 C0); the sign bit of
-// each nibble is moved to bit 15 / 31 by a third PRMT.
-__device__ __forceinline__ void e2m1x8_to_bf16x8(uint32_t w, uint32_t (&out)[4]) {
-  const uint32_t mag = w & 0x77777777u;  // selector nibbles with bit 3 clear: plain byte picks
-  const uint32_t hi_a = __byte_perm(0x3F3F3F00u, 0x40404040u, mag);
-  const uint32_t lo_a = __byte_perm(0xC0800000u, 0xC0804000u, mag);
-  const uint32_t hi_b = __byte_perm(0x3F3F3F00u, 0x40404040u, mag >> 16);
-  const uint32_t lo_b = __byte_perm(0xC0800000u, 0xC0804000u, mag >> 16);
-  const uint32_t t = w & 0x88888888u, t4 = t << 4;  // low nibble signs at byte msbs in t4, high nibble signs in t
-  out[0] = __byte_perm(lo_a, hi_a, 0x5140) | (__byte_perm(t4, t, 0x4000) & 0x80008000u);
-  out[1] = __byte_perm(lo_a, hi_a, 0x7362) | (__byte_perm(t4, t, 0x5010) & 0x80008000u);
-  out[2] = __byte_perm(lo_b, hi_b, 0x5140) | (__byte_perm(t4, t, 0x6020) & 0x80008000u);
-  out[3] = __byte_perm(lo_b, hi_b, 0x7362) | (__byte_perm(t4, t, 0x7030) & 0x80008000u);
+// E2M1 decoding by table: a byte (two E2M1 nibbles, low nibble first) -> BF16x2 (the low nibble's value
+// in the low half), exact: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 as BF16, the nibble's bit 3 as the sign.
+// The 256 entries live in shared memory with one copy per lane ([entry][lane]: lane l always reads bank l,
+// so lookups never conflict); one lookup decodes two values with a byte extract and a load, where bit
+// manipulation took ~20 integer instructions per 8 values (integer issue was the kernel's limit).
+constexpr int kLutEntries = 256;
+
+__device__ __forceinline__ uint32_t e2m1_bits(uint32_t nibble) {
+  const uint32_t c = nibble & 7;  // BF16 of 0, .5, 1, 1.5, 2, 3, 4, 6: 0000 3F00 3F80 3FC0 4000 4040 4080 40C0
+  const uint32_t mag = c == 0 ? 0u : c == 1 ? 0x3F00u : 0x3F00u + ((c >> 1) << 7) + ((c & 1) << 6);
+  return mag | ((nibble & 8) ? 0x8000u : 0u);
+}
+
+__device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t byte) {
+  return e2m1_bits(byte & 15) | (e2m1_bits(byte >> 4) << 16);
+}
+
+// 8 E2M1 nibbles of w (nibble i = value i) -> 4 BF16x2 words (word p = values 2p, 2p+1), from the lane's
+// column of the table (lut_lane = &lut[0][lane], entries kWarp words apart).
+__device__ __forceinline__ void e2m1x8_to_bf16x8(const uint32_t* lut_lane, uint32_t w, uint32_t (&out)[4]) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p) out[p] = lut_lane[((w >> (8 * p)) & 0xFFu) * kWarp];
 }
 
 // E8M0 scale byte -> 2^(s - 127) as BF16x2 (both halves): s << 7 is that BF16 for s in 1..255 (255: inf,
@@ -152,16 +157,14 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t v, __nv_bfloat162 s) {
   return *reinterpret_cast<const uint32_t*>(&x);
 }
 
-// 16 bytes global -> shared, asynchronous, bypassing L1; L2 fetches the surrounding 256 bytes (a weight
-// row is read in 64-byte steps, so the row's next chunks are on their way too).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const auto a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(a), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+// A 16-byte read-only load that asks L2 to fetch the surrounding 256 bytes: a weight row is read in
+// 64-byte steps, so the next three chunks of the row are on their way when this one arrives.
+__device__ __forceinline__ uint4 ldg_l2_256(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -188,8 +191,12 @@ __global__ void __launch_bounds__(kMmaThreads)
                    int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
   constexpr int kAcc = 2 * NT * 4;  // two A operands x NT token tiles x 4 accumulators per lane
   __shared__ float part[kSplitK][kAcc][kWarp];
-  __shared__ uint4 wring[kSplitK][kStages][4][kWarp];  // per warp: kStages chunks of 4 weight pieces per lane
+  __shared__ uint32_t lut[kLutEntries][kWarp];  // 32 KiB
+  for (int i = threadIdx.x; i < kLutEntries * kWarp; i += kMmaThreads)
+    lut[i / kWarp][i % kWarp] = e2m1_pair_bits(static_cast<uint32_t>(i / kWarp));
+  __syncthreads();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
+  const uint32_t* lut_lane = &lut[0][lane];
   const int64_t items = static_cast<int64_t>(*plan.n_active) * tiles_per_slot;
   const int64_t per = (items + gridDim.x - 1) / gridDim.x;
   const int64_t i_begin = static_cast<int64_t>(blockIdx.x) * per, i_end = min(items, i_begin + per);
@@ -231,59 +238,40 @@ __global__ void __launch_bounds__(kMmaThreads)
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
-      // Weights stream from HBM through a kStages-deep cp.async ring in shared memory (each lane copies
-      // and later reads back only its own 16-byte pieces, so no barrier is needed); the scales and the
-      // activations (L2) of the next chunk are loaded into registers before the current chunk is used.
-      // Loads are unconditional: a lane's group past K reads one inside the row instead (finite values
-      // that meet zero weights).
-      auto issue = [&](int64_t c) {
-        if (c < c_end) {
-          const int64_t cw = c * kChunkK + 32 * t < K ? c : 0;
-          uint4* slot = &wring[warp][(c - c_begin) % kStages][0][0];
-#pragma unroll
-          for (int m = 0; m < 2; ++m)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) cp_async16(slot + (m * 2 + h) * kWarp + lane, ap[m][h] + cw * (kChunkK / 2));
-        }
-        cp_async_commit();  // an empty group past c_end keeps the group count uniform
-      };
-      uint4 xb[NT][4];
+      // Weights (HBM) and activations (L2) of the next chunk are loaded before the current one is used.
+      // Loads are unconditional so they issue together: a lane's group past K reads one inside the row
+      // instead (finite values that meet zero weights).
+      uint4 wq[2][2], xb[NT][4];
       uint32_t ws[2][2];
-      auto load = [&](int64_t c, uint32_t (&s)[2][2], uint4 (&b)[NT][4]) {
-        const int64_t cw = c < c_end && c * kChunkK + 32 * t < K ? c : 0;
+      auto load = [&](int64_t c, uint4 (&q)[2][2], uint32_t (&s)[2][2], uint4 (&b)[NT][4]) {
+        const bool ok = c < c_end && c * kChunkK + 32 * t < K;
+        const int64_t cw = ok ? c : 0;
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) s[m][h] = __ldg(as[m][h] + cw * (kChunkK / 32));
+          for (int h = 0; h < 2; ++h) {
+            q[m][h] = ldg_l2_256(ap[m][h] + cw * (kChunkK / 2));
+            s[m][h] = __ldg(as[m][h] + cw * (kChunkK / 32));
+            if (!ok) q[m][h] = make_uint4(0, 0, 0, 0);
+          }
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int v = 0; v < 4; ++v) b[j][v] = __ldg(reinterpret_cast<const uint4*>(xr[j] + cw * kChunkK) + v);
       };
-#pragma unroll
-      for (int i = 0; i < kStages - 1; ++i) issue(c_begin + i);
-      load(c_begin, ws, xb);
+      load(c_begin, wq, ws, xb);
       for (int64_t c = c_begin; c < c_end; ++c) {
-        issue(c + kStages - 1);
-        uint4 cb[NT][4];
+        uint4 cq[2][2], cb[NT][4];
         uint32_t cs[2][2];
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) cs[m][h] = ws[m][h];
+          for (int h = 0; h < 2; ++h) cq[m][h] = wq[m][h], cs[m][h] = ws[m][h];
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int v = 0; v < 4; ++v) cb[j][v] = xb[j][v];
-        load(c + 1, ws, xb);
-        cp_async_wait<kStages - 1>();  // this lane's copies of chunk c have landed
-        const bool ok = c * kChunkK + 32 * t < K;
-        uint4 cq[2][2];
-        const uint4* slot = &wring[warp][(c - c_begin) % kStages][0][0];
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) cq[m][h] = ok ? slot[(m * 2 + h) * kWarp + lane] : make_uint4(0, 0, 0, 0);
+        load(c + 1, wq, ws, xb);
         __nv_bfloat162 sc[2][2];
 #pragma unroll
         for (int m = 0; m < 2; ++m)
@@ -297,7 +285,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const uint4 v = cq[m][h];
-              e2m1x8_to_bf16x8(q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[m][h]);
+              e2m1x8_to_bf16x8(lut_lane, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[m][h]);
 #pragma unroll
               for (int p = 0; p < 4; ++p) a[m][h][p] = scale_bf16x2(a[m][h][p], sc[m][h]);
             }

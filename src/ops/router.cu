@@ -65,13 +65,14 @@ __global__ void __launch_bounds__(kRouteThreads)
     }
     __syncthreads();
   }
-  // The chosen experts' unbiased s, loaded in parallel; thread 0 sums them in selection order.
-  for (int i = threadIdx.x; i < k; i += kRouteThreads) wt[i] = sigmoid_ref(lt[it[i]]);
+  // The chosen experts' unbiased s, loaded in parallel into the scores' place (no longer needed); thread 0
+  // sums them in selection order from shared memory.
+  for (int i = threadIdx.x; i < k; i += kRouteThreads) key[i] = sigmoid_ref(lt[it[i]]);
   __syncthreads();
   if (threadIdx.x == 0) {
     float sum = 0.f;
-    for (int i = 0; i < k; ++i) sum += wt[i];
-    for (int i = 0; i < k; ++i) wt[i] = renormalize ? wt[i] / (sum + 1e-20f) * scale : wt[i] * scale;
+    for (int i = 0; i < k; ++i) sum += key[i];
+    for (int i = 0; i < k; ++i) wt[i] = renormalize ? key[i] / (sum + 1e-20f) * scale : key[i] * scale;
   }
 }
 
