@@ -40,7 +40,8 @@ if command -v compute-sanitizer >/dev/null; then
   tail -3 "$out/memcheck_parallel.log"
 fi
 if [ "${1:-}" = "--bench" ]; then
-  commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  # K3_COMMIT names the build when the binaries were carried (the device copy's git HEAD can be stale).
+  commit="${K3_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   for v in k3 k3.1; do
     "$bin/k3decode" bench --preset k3-rank-slice --variant "$v" --tp 8 --dp 4 --rank 0 --context 8192 \
       --batches 1 8 32 64 --q 1 4 --iters 50 --commit "$commit" --json "$out/rank_slice_$v.json" \
