@@ -39,6 +39,11 @@ if command -v compute-sanitizer >/dev/null; then
     --gtest_filter='*GpuParallel.MatchesCpuSingleRank/tp2_dp2_dcp2' >"$out/memcheck_parallel.log" 2>&1 || status=1
   tail -3 "$out/memcheck_parallel.log"
 fi
+# The main job on the GPU: generate on the tiny model, beside the CPU's tokens.
+for d in gpu cpu; do
+  printf '%s: ' "$d"
+  "$bin/k3decode" generate --device "$d" --variant k3.1 --prompt 5,6,7 --prompt 1,2 --max-new 8 --json || status=1
+done | tee "$out/generate.log"
 if [ "${1:-}" = "--bench" ]; then
   # K3_COMMIT names the build when the binaries were carried (the device copy's git HEAD can be stale).
   commit="${K3_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"

@@ -86,6 +86,12 @@ expect_error "negative token id" "$BIN" generate --prompt 1,-4,3 --max-new 2
 expect_error "malformed --prompt (letters)" "$BIN" generate --prompt 1,x,3 --max-new 2
 expect_error "malformed --prompt (empty item)" "$BIN" generate --prompt 1,,3 --max-new 2
 expect_error "malformed --prompt (trailing comma)" "$BIN" generate --prompt 1,2, --max-new 2
+expect_error "unknown --device" "$BIN" generate --device tpu --prompt 1,2 --max-new 2
+expect_error "--device gpu with a multi-rank layout" "$BIN" generate --device gpu --tp 2 --prompt 1,2 --max-new 2
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi >/dev/null 2>&1; then
+  # No GPU here: a clear error (no CUDA device, or no CUDA backend in this build), never a crash.
+  expect_error "--device gpu without a GPU" "$BIN" generate --device gpu --prompt 1,2 --max-new 2
+fi
 expect_error "--model on a nonexistent directory" "$BIN" generate --model "$TMP/no-such-dir" --max-new 2
 cp -r "$TMP/model-k3-0" "$TMP/truncated"
 size=$(stat -c %s "$TMP/truncated/model.safetensors")

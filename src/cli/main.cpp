@@ -20,6 +20,8 @@
 #endif
 #ifdef K3_CUDA
 #include "bench/bench.h"
+#include "core/cuda.h"
+#include "runtime/gpu_decoder.h"
 #endif
 
 namespace {
@@ -104,6 +106,8 @@ int main(int argc, char** argv) {
   gen->add_option("--step", step, "decode step: auto | stock | hybrid")->capture_default_str();
   gen->add_option("--comm", comm, "collectives: local (ranks as threads) | mpi (one process per rank)")
       ->capture_default_str();
+  std::string device = "cpu";
+  gen->add_option("--device", device, "cpu | gpu (one GPU holds the whole model; CUDA builds)")->capture_default_str();
   gen->add_option("--max-slots", cache.max_slots, "concurrent requests per replica")->capture_default_str();
   gen->add_option("--aux-layers", eopts.aux_layers, "capture the hidden stream entering these layers (--json prints norms)");
   gen->add_option("--max-new", max_new, "tokens to generate")->capture_default_str();
@@ -174,7 +178,27 @@ int main(int argc, char** argv) {
       auto [src, config] = open_model(gm);
       std::vector<GenerateResult> results;
       bool printer = true;
-      if (comm == "local") {
+      K3_CHECK(device == "cpu" || device == "gpu", "--device {}: expected cpu | gpu", device);
+      if (device == "gpu") {
+#ifdef K3_CUDA
+        K3_CHECK(layout.world() == 1 && layout.dcp == 1 && comm == "local",
+                 "--device gpu runs one rank holding the whole model: --tp {} --dp {} --dcp {} --comm {} must be 1 1 1 "
+                 "local",
+                 layout.tp, layout.dp, layout.dcp, comm);
+        K3_CHECK(eopts.aux_layers.empty(), "--aux-layers: not captured by --device gpu (use --device cpu)");
+        K3_CHECK(cuda_device_available(), "--device gpu: no usable CUDA device on this machine");
+        GpuRankOptions go;
+        go.max_slots = cache.max_slots;
+        go.max_batch = cache.max_slots;
+        go.max_q = cache.max_q;
+        go.max_context = cache.max_context;
+        go.page_size = cache.page_size;
+        GpuDecoder decoder(*src, config, go);
+        results = generate(decoder, ids, max_new, sp, !dump.empty());
+#else
+        fail("--device gpu: this build has no CUDA backend (build with nvcc present)");
+#endif
+      } else if (comm == "local") {
         LocalCluster cluster(src, config, eopts, layout);
         std::vector<std::vector<GenerateResult>> per_rank(layout.world());
         cluster.run([&](int w, Engine& e) { per_rank[w] = generate(e, ids, max_new, sp, !dump.empty()); });

@@ -18,9 +18,40 @@ struct Live {
   GenerateResult result;
 };
 
+class EngineDecoder : public Decoder {
+ public:
+  explicit EngineDecoder(Engine& e) : e_(e) {}
+  const ModelConfig& config() const override { return e_.config(); }
+  const Layout& layout() const override { return e_.layout(); }
+  int world_rank() const override { return e_.world_rank(); }
+  int max_slots() const override { return e_.options().max_slots; }
+  int max_q() const override { return e_.options().max_q; }
+  int64_t max_context() const override { return e_.options().max_context; }
+  int admit() override { return e_.admit(); }
+  void release(int slot) override { e_.release(slot); }
+  std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override {
+    return e_.step(slots, q, tokens);
+  }
+  void commit(std::span<const int> slots, int q) override {
+    for (int s : slots) e_.commit(s, q);
+  }
+  void world_sum(float* data, int64_t n) override {
+    if (e_.layout().world() > 1) e_.world().all_reduce(data, n, DType::F32);
+  }
+
+ private:
+  Engine& e_;
+};
+
 }  // namespace
 
 std::vector<GenerateResult> generate(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_new,
+                                     const SamplingParams& sp, bool keep_logits) {
+  EngineDecoder d(engine);
+  return generate(d, prompts, max_new, sp, keep_logits);
+}
+
+std::vector<GenerateResult> generate(Decoder& engine, const std::vector<std::vector<int32_t>>& prompts, int max_new,
                                      const SamplingParams& sp, bool keep_logits) {
   const ModelConfig& c = engine.config();
   const int64_t V = c.vocab_size;
@@ -32,15 +63,15 @@ std::vector<GenerateResult> generate(Engine& engine, const std::vector<std::vect
   int mine = 0;
   for (size_t i = 0; i < prompts.size(); ++i) {
     K3_CHECK(!prompts[i].empty(), "generate: prompt {} is empty", i);
-    K3_CHECK(static_cast<int64_t>(prompts[i].size()) + max_new - 1 <= engine.options().max_context,
+    K3_CHECK(static_cast<int64_t>(prompts[i].size()) + max_new - 1 <= engine.max_context(),
              "generate: prompt {} of {} tokens + {} new exceeds the cache of {} tokens", i, prompts[i].size(), max_new,
-             engine.options().max_context);
+             engine.max_context());
     for (int32_t t : prompts[i])
       K3_CHECK(t >= 0 && t < V, "generate: token id {} in prompt {} outside vocab 0..{}", t, i, V - 1);
     mine += static_cast<int>(i) % L.dp == replica;
   }
-  K3_CHECK(mine <= engine.options().max_slots, "generate: {} requests on one replica exceed its {} slots", mine,
-           engine.options().max_slots);
+  K3_CHECK(mine <= engine.max_slots(), "generate: {} requests on one replica exceed its {} slots", mine,
+           engine.max_slots());
 
   std::vector<Live> live;
   for (size_t i = 0; i < prompts.size(); ++i)
@@ -65,7 +96,7 @@ std::vector<GenerateResult> generate(Engine& engine, const std::vector<std::vect
     if (keep_logits && r.index == 0)
       r.result.logits.insert(r.result.logits.end(), logits.begin() + row0 * V, logits.begin() + (row0 + n) * V);
   };
-  const int max_q = engine.options().max_q;
+  const int max_q = engine.max_q();
   for (;;) {
     auto feeding = std::find_if(live.begin(), live.end(),
                            [&](const Live& r) { return r.fed < prompts[r.index].size(); });
@@ -85,11 +116,11 @@ std::vector<GenerateResult> generate(Engine& engine, const std::vector<std::vect
         }
     }
     float active = slots.empty() ? 0.0f : 1.0f;
-    if (L.world() > 1) engine.world().all_reduce(&active, 1, DType::F32);
+    engine.world_sum(&active, 1);
     if (active == 0) break;
     if (slots.empty() && L.world() == 1) break;
     std::vector<float> logits = engine.step(slots, q, tokens);
-    for (int s : slots) engine.commit(s, q);
+    engine.commit(slots, q);
     if (feeding != live.end()) {
       Live& r = *feeding;
       r.fed += static_cast<size_t>(q);
@@ -117,7 +148,7 @@ std::vector<GenerateResult> generate(Engine& engine, const std::vector<std::vect
       for (size_t j = 0; j < r.result.tokens.size(); ++j)
         table[r.index * (max_new + 1) + 1 + j] = static_cast<float>(r.result.tokens[j] + 1);
     }
-  if (L.world() > 1) engine.world().all_reduce(table.data(), static_cast<int64_t>(table.size()), DType::F32);
+  engine.world_sum(table.data(), static_cast<int64_t>(table.size()));
   std::vector<GenerateResult> out(prompts.size());
   for (int64_t i = 0; i < n; ++i) {
     out[i].hit_eos = table[i * (max_new + 1)] > 0;

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "runtime/engine.h"
@@ -36,6 +37,29 @@ struct GenerateResult {
   int64_t positions = 0;
 };
 
+// What generate() drives: one rank of a layout (the CPU Engine, or a GpuRank through runtime/gpu_decoder.h).
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual const Layout& layout() const = 0;
+  virtual int world_rank() const = 0;
+  virtual int max_slots() const = 0;
+  virtual int max_q() const = 0;
+  virtual int64_t max_context() const = 0;
+  virtual int admit() = 0;
+  virtual void release(int slot) = 0;
+  // B requests x q tokens -> logits [B q, V] (every rank of the replica calls it alike).
+  virtual std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) = 0;
+  // Commits all q tokens of the last step for each slot.
+  virtual void commit(std::span<const int> slots, int q) = 0;
+  // Sum over the world's ranks of host floats (identity on one rank).
+  virtual void world_sum(float* data, int64_t n) = 0;
+};
+
+std::vector<GenerateResult> generate(Decoder& decoder, const std::vector<std::vector<int32_t>>& prompts, int max_new,
+                                     const SamplingParams& sp, bool keep_logits);
+// The CPU engine as the Decoder.
 std::vector<GenerateResult> generate(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_new,
                                      const SamplingParams& sp, bool keep_logits);
 
