@@ -21,7 +21,11 @@
 #ifdef K3_CUDA
 #include "bench/bench.h"
 #include "core/cuda.h"
+#include "runtime/gpu_cluster.h"
 #include "runtime/gpu_decoder.h"
+#ifdef K3_NCCL
+#include "comm/nccl.h"
+#endif
 #endif
 
 namespace {
@@ -104,7 +108,9 @@ int main(int argc, char** argv) {
   gen->add_option("--dp", layout.dp, "data-parallel replicas (requests are spread over them)")->capture_default_str();
   gen->add_option("--dcp", layout.dcp, "decode context parallel size inside the TP group")->capture_default_str();
   gen->add_option("--step", step, "decode step: auto | stock | hybrid")->capture_default_str();
-  gen->add_option("--comm", comm, "collectives: local (ranks as threads) | mpi (one process per rank)")
+  gen->add_option("--comm", comm,
+                  "collectives: local (ranks as threads) | mpi (one process per rank) | nccl (--device gpu, one "
+                  "process per GPU)")
       ->capture_default_str();
   std::string device = "cpu";
   gen->add_option("--device", device, "cpu | gpu (one GPU holds the whole model; CUDA builds)")->capture_default_str();
@@ -181,11 +187,9 @@ int main(int argc, char** argv) {
       K3_CHECK(device == "cpu" || device == "gpu", "--device {}: expected cpu | gpu", device);
       if (device == "gpu") {
 #ifdef K3_CUDA
-        K3_CHECK(layout.world() == 1 && layout.dcp == 1 && comm == "local",
-                 "--device gpu runs one rank holding the whole model: --tp {} --dp {} --dcp {} --comm {} must be 1 1 1 "
-                 "local",
-                 layout.tp, layout.dp, layout.dcp, comm);
         K3_CHECK(eopts.aux_layers.empty(), "--aux-layers: not captured by --device gpu (use --device cpu)");
+        K3_CHECK(comm == "local" || comm == "nccl", "--device gpu --comm {}: expected local (ranks as threads on one "
+                 "GPU) | nccl (a process per GPU, under mpirun)", comm);
         K3_CHECK(cuda_device_available(), "--device gpu: no usable CUDA device on this machine");
         GpuRankOptions go;
         go.max_slots = cache.max_slots;
@@ -193,8 +197,48 @@ int main(int argc, char** argv) {
         go.max_q = cache.max_q;
         go.max_context = cache.max_context;
         go.page_size = cache.page_size;
-        GpuDecoder decoder(*src, config, go);
-        results = generate(decoder, ids, max_new, sp, !dump.empty());
+        if (layout.world() == 1 && comm == "local") {
+          GpuDecoder decoder(*src, config, go);
+          results = generate(decoder, ids, max_new, sp, !dump.empty());
+        } else if (comm == "local") {
+          LocalGpuCluster cluster(*src, config, go, layout);
+          std::vector<std::vector<GenerateResult>> per_rank(layout.world());
+          cluster.run([&](int w, GpuRank& r) {
+            GpuDecoder d(r, config, go, layout, w, *cluster.groups(w).world, /*graphs=*/false);
+            per_rank[w] = generate(d, ids, max_new, sp, !dump.empty());
+          });
+          results = std::move(per_rank[0]);
+        } else {
+#ifdef K3_NCCL
+          MpiRuntime mpi(&argc, &argv);
+          const int w = mpi.world_rank();
+          K3_CHECK(mpi.world_size() == layout.world(), "--comm nccl: {} processes for a world of {} (--tp {} x --dp {})",
+                   mpi.world_size(), layout.world(), layout.tp, layout.dp);
+          RankGroups groups = make_nccl_groups(layout);
+          ops::cuda::Context ctx = ops::cuda::create_context();
+          try {
+            GpuRankOptions o = go;
+            o.shard = ShardSpec{layout.tp, layout.tp_rank(w), layout.world(), w};
+            o.groups = &groups;
+            check_shardable(config, o.shard);
+            GpuWeights weights;
+            {
+              const ModelWeights host = load_weights(config, *src, o.shard);
+              weights = build_gpu_weights(config, o.shard, &host, upload_fill());
+            }
+            GpuRank rank(config, std::move(weights), o, ctx);
+            GpuDecoder d(rank, config, o, layout, w, *groups.world, /*graphs=*/true);
+            results = generate(d, ids, max_new, sp, !dump.empty());
+          } catch (...) {
+            ops::cuda::destroy_context(ctx);
+            throw;
+          }
+          ops::cuda::destroy_context(ctx);
+          printer = w == 0;
+#else
+          fail("--comm nccl: this build has no NCCL backend (needs NCCL and Open MPI; see CMake option K3_NCCL)");
+#endif
+        }
 #else
         fail("--device gpu: this build has no CUDA backend (build with nvcc present)");
 #endif
@@ -214,7 +258,7 @@ int main(int argc, char** argv) {
         fail("--comm mpi: this build has no MPI (install libopenmpi-dev and rebuild)");
 #endif
       } else {
-        fail("--comm {}: expected local | mpi", comm);
+        fail("--comm {}: expected local | mpi (nccl: with --device gpu)", comm);
       }
       if (!printer) return 0;
       const GenerateResult& r = results[0];

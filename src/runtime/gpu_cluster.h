@@ -34,6 +34,7 @@ class LocalGpuCluster {
 
   const Layout& layout() const { return layout_; }
   GpuRank& rank(int world_rank) { return *ranks_.at(world_rank); }
+  RankGroups& groups(int world_rank) { return groups_.at(world_rank); }
   void run(const std::function<void(int, GpuRank&)>& fn);
 
  private:

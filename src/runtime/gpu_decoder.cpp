@@ -8,24 +8,59 @@ GpuDecoder::GpuDecoder(const TensorSource& src, const ModelConfig& config, const
   K3_CHECK(options.shard.tp_size == 1 && options.shard.world_size == 1 && !options.loopback,
            "gpu generate: one rank holds the whole model (tp = dp = 1)");
   ctx_ = std::make_unique<ops::cuda::Context>(ops::cuda::create_context());
-  const ModelWeights host = load_weights(config, src);
-  rank_ = std::make_unique<GpuRank>(config, build_gpu_weights(config, {}, &host, upload_fill()), options, *ctx_);
+  try {
+    const ModelWeights host = load_weights(config, src);
+    owned_ = std::make_unique<GpuRank>(config, build_gpu_weights(config, {}, &host, upload_fill()), options, *ctx_);
+  } catch (...) {
+    ops::cuda::destroy_context(*ctx_);
+    throw;
+  }
+  rank_ = owned_.get();
+}
+
+GpuDecoder::GpuDecoder(GpuRank& rank, const ModelConfig& config, const GpuRankOptions& options, const Layout& layout,
+                       int world_rank, Comm& world, bool graphs)
+    : config_(config),
+      options_(options),
+      layout_(layout),
+      world_rank_(world_rank),
+      world_(&world),
+      graphs_(graphs),
+      rank_(&rank) {
+  K3_CHECK(world.size() == layout.world() && world.rank() == world_rank,
+           "gpu generate: world comm rank {} of {} for world rank {} of {}", world.rank(), world.size(), world_rank,
+           layout.world());
 }
 
 GpuDecoder::~GpuDecoder() {
-  rank_.reset();
+  owned_.reset();
   if (ctx_) ops::cuda::destroy_context(*ctx_);
 }
 
 std::vector<float> GpuDecoder::step(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
   rank_->prepare(slots, q, tokens);  // validates before anything is written
-  rank_->run_graph(StepKind::Hybrid);  // one rank: the two steps are the same computation
+  // The stock and hybrid steps give the same logits (tested); hybrid is the faster on several ranks.
+  if (graphs_)
+    rank_->run_graph(StepKind::Hybrid);
+  else
+    rank_->enqueue(StepKind::Hybrid);
   return rank_->logits();
 }
 
 void GpuDecoder::commit(std::span<const int> slots, int q) {
   const std::vector<int> accepted(slots.size(), q);
   rank_->commit(slots, accepted);
+}
+
+void GpuDecoder::world_sum(float* data, int64_t n) {
+  if (world_ == nullptr || layout_.world() == 1 || n == 0) return;
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  if (staging_.bytes() < bytes) staging_ = DeviceBuffer(bytes);  // between steps, not inside one
+  cudaStream_t s = rank_->stream();
+  CUDA_CHECK(cudaMemcpyAsync(staging_.get(), data, bytes, cudaMemcpyHostToDevice, s));
+  world_->all_reduce(staging_.get(), n, DType::F32);
+  CUDA_CHECK(cudaMemcpyAsync(data, staging_.get(), bytes, cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 }  // namespace k3

@@ -1,11 +1,16 @@
-// GpuDecoder: generate() on one GPU (CUDA builds; `k3decode generate --device gpu`). One GpuRank holds the whole
-// model (a one-rank layout); each step is its CUDA graph for (B, q), captured
-// on first use and replayed after. Multi-rank GPU layouts run through
-// LocalGpuCluster (tests) and the nccl backend; they are not a Decoder yet.
+// GpuDecoder: generate() on GPUs (CUDA builds; `k3decode generate --device gpu`).
+//   - one GPU, the whole model: the decoder owns its GpuRank; each step is its
+//     CUDA graph for (B, q), captured on first use and replayed after;
+//   - one rank of a multi-rank layout: a GpuRank with real collectives (its
+//     RankGroups: local_gpu for ranks as threads on one GPU, stepped eagerly
+//     since that backend cannot be captured; nccl for a process per GPU, as
+//     graphs). world_sum stages the host floats through a device buffer and
+//     the world group's all-reduce.
 #pragma once
 
 #include <memory>
 
+#include "core/cuda.h"
 #include "io/checkpoint.h"
 #include "ops/cuda_context.h"
 #include "runtime/generate.h"
@@ -15,13 +20,17 @@ namespace k3 {
 
 class GpuDecoder : public Decoder {
  public:
-  // Uploads the weights of `src` (validated as the CPU engine does) to the current device.
+  // One GPU: uploads the weights of `src` to the current device.
   GpuDecoder(const TensorSource& src, const ModelConfig& config, const GpuRankOptions& options);
+  // World rank `world_rank` of `layout`: `rank` built with options.groups (which hold `world`, the
+  // world group's device comm); both outlive the decoder.
+  GpuDecoder(GpuRank& rank, const ModelConfig& config, const GpuRankOptions& options, const Layout& layout,
+             int world_rank, Comm& world, bool graphs);
   ~GpuDecoder() override;
 
   const ModelConfig& config() const override { return config_; }
   const Layout& layout() const override { return layout_; }
-  int world_rank() const override { return 0; }
+  int world_rank() const override { return world_rank_; }
   int max_slots() const override { return options_.max_slots; }
   int max_q() const override { return options_.max_q; }
   int64_t max_context() const override { return options_.max_context; }
@@ -29,14 +38,19 @@ class GpuDecoder : public Decoder {
   void release(int slot) override { rank_->release(slot); }
   std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override;
   void commit(std::span<const int> slots, int q) override;
-  void world_sum(float*, int64_t) override {}
+  void world_sum(float* data, int64_t n) override;
 
  private:
   ModelConfig config_;
   GpuRankOptions options_;
   Layout layout_;
-  std::unique_ptr<ops::cuda::Context> ctx_;
-  std::unique_ptr<GpuRank> rank_;
+  int world_rank_ = 0;
+  Comm* world_ = nullptr;
+  bool graphs_ = true;
+  std::unique_ptr<ops::cuda::Context> ctx_;  // owned (one GPU) or null
+  std::unique_ptr<GpuRank> owned_;
+  GpuRank* rank_ = nullptr;
+  DeviceBuffer staging_;  // world_sum
 };
 
 }  // namespace k3

@@ -9,6 +9,7 @@
 #include "gpu_test_util.h"
 #include "io/synthetic.h"
 #include "runtime/engine.h"
+#include "runtime/gpu_cluster.h"
 #include "runtime/gpu_decoder.h"
 
 namespace k3 {
@@ -100,6 +101,56 @@ TEST_P(GpuGenerate, RefusesBadInput) {
   expect_error([&] { generate(gpu, {{1}, {2}, {3}}, 2, sp, false); }, "slots");
   // Still usable after the refusals.
   EXPECT_EQ(generate(gpu, {{1, 2, 3}}, 2, sp, false)[0].tokens.size(), 2u);
+}
+
+// A TP 2 x DP 2 x DCP 2 layout as threads on one GPU (local_gpu collectives, eager steps): every rank
+// returns the same results, and they match the CPU's single-rank generate (tokens equal or a near-tie).
+TEST_P(GpuGenerate, MultiRankOnOneGpuMatchesCpu) {
+  K3_REQUIRE_GPU();
+  const ModelConfig c = preset_config("tiny", GetParam());
+  const std::shared_ptr<MemoryCheckpoint> src = make_synthetic(c, 5);
+  CacheOptions co;
+  co.max_slots = 4;
+  co.max_q = 4;
+  co.max_context = 128;
+  Engine cpu(src, c, EngineOptions(co));
+  GpuRankOptions go;
+  go.max_slots = 4;
+  go.max_batch = 4;
+  go.max_q = 4;
+  go.max_context = 128;
+  go.page_size = 16;
+  const Layout L{2, 2, 2};
+  LocalGpuCluster cluster(*src, c, go, L);
+  const std::vector<std::vector<int32_t>> prompts = {{3, 14, 15, 92, 65, 35, 89}, {7, 1}, {11, 12, 13}};
+  SamplingParams sp;
+  sp.stop_at_eos = false;
+  const int max_new = 8;
+  const auto want = generate(cpu, prompts, max_new, sp, true);
+  std::vector<std::vector<GenerateResult>> per_rank(static_cast<size_t>(L.world()));
+  cluster.run([&](int w, GpuRank& r) {
+    GpuDecoder d(r, c, go, L, w, *cluster.groups(w).world, false);
+    per_rank[static_cast<size_t>(w)] = generate(d, prompts, max_new, sp, true);
+  });
+  for (int w = 1; w < L.world(); ++w)
+    for (size_t i = 0; i < prompts.size(); ++i)
+      EXPECT_EQ(per_rank[w][i].tokens, per_rank[0][i].tokens) << "rank " << w << " request " << i;
+  const auto& got = per_rank[0];
+  const int64_t V = c.vocab_size;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    size_t same = 0;
+    while (same < got[i].tokens.size() && same < want[i].tokens.size() && got[i].tokens[same] == want[i].tokens[same])
+      ++same;
+    std::printf("[ gpu ] generate %s tp2_dp2_dcp2: request %zu: %zu of %d tokens equal\n", GetParam(), i, same,
+                max_new);
+    if (same == static_cast<size_t>(max_new)) continue;
+    ASSERT_EQ(i, 0u) << "request " << i << " diverged at token " << same;
+    const int64_t row = static_cast<int64_t>(prompts[0].size()) + static_cast<int64_t>(same) - 1;
+    const float* w = want[0].logits.data() + row * V;
+    const auto [lo, hi] = std::minmax_element(w, w + V);
+    const double margin = std::fabs(double(w[want[0].tokens[same]]) - w[got[0].tokens[same]]) / (*hi - *lo);
+    EXPECT_LT(margin, 0.01) << "token " << same;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, GpuGenerate, ::testing::Values("k3", "k3.1"));
