@@ -87,7 +87,8 @@ expect_error "malformed --prompt (letters)" "$BIN" generate --prompt 1,x,3 --max
 expect_error "malformed --prompt (empty item)" "$BIN" generate --prompt 1,,3 --max-new 2
 expect_error "malformed --prompt (trailing comma)" "$BIN" generate --prompt 1,2, --max-new 2
 expect_error "unknown --device" "$BIN" generate --device tpu --prompt 1,2 --max-new 2
-expect_error "--device gpu with a multi-rank layout" "$BIN" generate --device gpu --tp 2 --prompt 1,2 --max-new 2
+expect_error "--device gpu --comm mpi" "$BIN" generate --device gpu --comm mpi --prompt 1,2 --max-new 2
+expect_error "--comm nccl without --device gpu" "$BIN" generate --comm nccl --prompt 1,2 --max-new 2
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi >/dev/null 2>&1; then
   # No GPU here: a clear error (no CUDA device, or no CUDA backend in this build), never a crash.
   expect_error "--device gpu without a GPU" "$BIN" generate --device gpu --prompt 1,2 --max-new 2
