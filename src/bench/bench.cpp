@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "bench/kernels.h"
@@ -47,10 +48,12 @@ double measure_bandwidth(cudaStream_t s, int sms) {
   return static_cast<double>(bytes) / median(t);
 }
 
-// Bytes one step touches (bench.h), for B requests x q tokens at `context` cached tokens.
-double step_bytes(const ModelConfig& c, const ShardSpec& sh, int B, int q, int64_t context) {
+}  // namespace
+
+std::map<std::string, double> step_bytes_by_op(const ModelConfig& c, const ShardSpec& sh, int B, int q,
+                                               int64_t context) {
+  std::map<std::string, double> by;
   const double D = c.hidden_size, G = sh.tp_size, m = double(B) * q;
-  double w = 0, cache = 0;
   const double d = c.kda.head_dim, Hk = c.kda.num_heads / G, C = Hk * d, K = c.kda.conv_kernel;
   const auto& a = c.mla;
   const double Hm = a.num_heads / G, Q = a.q_lora_rank, R = a.kv_lora_rank, P = a.qk_rope_head_dim,
@@ -63,29 +66,45 @@ double step_bytes(const ModelConfig& c, const ShardSpec& sh, int B, int q, int64
   const double expert = 3 * (I * L / 2 + I * L / 32);
   const double ctx = double(context) + q;
   for (int l = 0; l < c.num_layers; ++l) {
-    w += 6 * D * 2;
+    by["attn_res"] += 6 * D * 2;  // the two AttnRes calls' norm and projection vectors and the layer norms
     if (c.attn_kinds[l] == AttnKind::KDA) {
       const double in_rows = std::ceil((4 * C + d + Hk) / 16) * 16;
-      w += in_rows * D * 2 + 3 * C * K * 4 + C * d * 2 + Hk * 4 + C * 4 + d * 4 + D * C * 2;
-      cache += B * (Hk * d * d * 4 * (1 + q) + 3 * C * (K - 1) * 4 * (1 + q));
+      by["kda.in_proj"] += in_rows * D * 2;
+      by["kda.conv_gate"] += 3 * C * K * 4 + C * d * 2 + Hk * 4 + C * 4 + B * 3 * C * (K - 1) * 4 * (1 + q);
+      by["kda.recurrence"] += B * Hk * d * d * 4 * (1 + q);
+      by["kda.norm_o_proj"] += d * 4 + D * C * 2;
     } else {
-      w += (Q * D + Q + Hm * (dn + P) * Q + E * D + R + Hm * (dn + dv) * R + 2 * Hm * dv * D) * 2;
+      by["mla.proj"] += (Q * D + Q + Hm * (dn + P) * Q + E * D + R + Hm * dn * R) * 2;
+      by["mla.out"] += (Hm * dv * R + 2 * Hm * dv * D) * 2;
       if (c.dsa) {
         const double Hi = c.dsa->index_n_heads, Di = c.dsa->index_head_dim;
-        w += (Hi * Di * Q + Di * D + Hi * D + 2 * Di) * 2;
-        cache += m * (ctx * Di * 2 + std::min<double>(c.dsa->index_topk, ctx) * E * 2) + m * (E + Di) * 2;
+        by["dsa.indexer_attend"] += (Hi * Di * Q + Di * D + Hi * D + 2 * Di) * 2 +
+                                    m * (ctx * Di * 2 + std::min<double>(c.dsa->index_topk, ctx) * E * 2) +
+                                    m * (E + Di) * 2;
       } else {
-        cache += B * ctx * E * 2 + m * E * 2;
+        by["mla.attend"] += B * ctx * E * 2 + m * E * 2;
       }
     }
-    if (l < e.first_k_dense_replace)
-      w += 3 * double(c.dense_intermediate_size) * D * 2;
-    else
-      w += (e.num_experts * D + 2 * L * D + L + 3 * S * D) * 2 + e.num_experts * 4 + touched * expert;
+    if (l < e.first_k_dense_replace) {
+      by["dense_mlp"] += 3 * double(c.dense_intermediate_size) * D * 2;
+    } else {
+      by["moe.router_down"] += (e.num_experts * D + L * D) * 2 + e.num_experts * 4;
+      by["moe.experts"] += touched * expert;
+      by["moe.norm_up"] += (L + L * D) * 2;
+      by["moe.shared"] += 3 * S * D * 2;
+    }
   }
-  w += (double(c.vocab_size) / G) * D * 2 + 3 * D * 2 + m * D * 2;
-  return w + cache;
+  by["lm_head"] += (double(c.vocab_size) / G) * D * 2 + 3 * D * 2 + m * D * 2;  // + the embedding rows read
+  return by;
 }
+
+double step_bytes(const ModelConfig& c, const ShardSpec& sh, int B, int q, int64_t context) {
+  double total = 0;
+  for (const auto& [op, bytes] : step_bytes_by_op(c, sh, B, q, context)) total += bytes;
+  return total;
+}
+
+namespace {
 
 // Random device fill by role (bench weights: values of a sane scale; speed does not depend on them).
 GpuFill random_fill(uint64_t seed, cudaStream_t s) {
@@ -195,16 +214,23 @@ int run_bench(const BenchArgs& args) {
             fmt::print("            {:>9.0f}us {:>5.1f}% {:>5.0f}x {}\n", k.us, 100 * k.us / tr.kernel_us, k.calls,
                        k.name.substr(0, 90));
           kernels.push_back({{"name", k.name}, {"calls", k.calls}, {"us", k.us}});
-        }        nlohmann::json breakdown = nlohmann::json::object();
+        }        nlohmann::json breakdown = nlohmann::json::object(), op_bytes_json = nlohmann::json::object();
         if (args.profile) {
           std::vector<std::pair<std::string, double>> prof;
           for (int i = 0; i < 3; ++i) prof = rank.profile(kind);  // the last of three eager runs
           double total = 0;
           for (auto& [name, ms] : prof) total += ms;
           std::string line = "         ";
+          // Each op group's time beside its bytes (step_bytes_by_op): the bandwidth it reached, in % of the HBM figure.
+          const auto op_bytes = step_bytes_by_op(c, shard, B, q, args.context);
           for (auto& [name, ms] : prof) {
-            line += fmt::format(" {} {:.0f}us ({:.0f}%)", name, ms * 1e3, 100 * ms / total);
+            const auto it = op_bytes.find(name);
+            const double ob = it == op_bytes.end() ? 0.0 : it->second;
+            line += ob > 0 ? fmt::format(" {} {:.0f}us ({:.0f}%) {:.0f}MB {:.0f}%bw", name, ms * 1e3, 100 * ms / total,
+                                         ob / 1e6, 100 * ob / bw / (ms * 1e-3))
+                           : fmt::format(" {} {:.0f}us ({:.0f}%)", name, ms * 1e3, 100 * ms / total);
             breakdown[name] = ms * 1e3;
+            if (ob > 0) op_bytes_json[name] = ob;
           }
           fmt::print("{}  [eager total {:.0f}us]\n", line, total * 1e3);
         }
@@ -225,6 +251,7 @@ int run_bench(const BenchArgs& args) {
                            {"hbm_gbps", bw / 1e9},
                            {"iters", args.iters},
                            {"profile_us", breakdown},
+                           {"profile_bytes", op_bytes_json},
                            {"kernels_per_step", tr.kernels},
                            {"copies_per_step", tr.copies},
                            {"trace_span_us", tr.span_us},

@@ -10,8 +10,13 @@
 // DSA indexer keys) read; activations are ignored (they stay in L2).
 #pragma once
 
+#include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
+
+#include "config/model_config.h"
+#include "model/weights.h"
 
 namespace k3 {
 
@@ -32,6 +37,14 @@ struct BenchArgs {
   std::string json;               // write the records here
   std::string commit;             // recorded in the JSON
 };
+
+// Bytes one decode step of rank `shard` touches for B requests x q tokens at `context` cached tokens,
+// by op group (the labels of GpuRank::profile: attn_res, kda.in_proj, kda.conv_gate, kda.recurrence,
+// kda.norm_o_proj, mla.proj, mla.attend or dsa.indexer_attend, mla.out, dense_mlp, moe.router_down,
+// moe.experts, moe.norm_up, moe.shared, lm_head), and their sum (the floor's numerator).
+std::map<std::string, double> step_bytes_by_op(const ModelConfig& c, const ShardSpec& shard, int B, int q,
+                                               int64_t context);
+double step_bytes(const ModelConfig& c, const ShardSpec& shard, int B, int q, int64_t context);
 
 // Runs the benchmark, prints a table, writes JSON; returns 0.
 int run_bench(const BenchArgs& args);
