@@ -1,4 +1,5 @@
 #include "comm/local.h"
+#include "comm/thread_groups.h"
 
 #include <barrier>
 #include <cstring>
@@ -99,21 +100,6 @@ class LocalComm : public Comm {
 
 }  // namespace
 
-std::vector<RankGroups> make_local_world(const Layout& L) {
-  L.validate();
-  const int W = L.world();
-  auto world = std::make_shared<GroupState>(W);
-  std::vector<std::shared_ptr<GroupState>> tp(L.dp), dcp(L.dp * (L.tp / L.dcp));
-  for (auto& g : tp) g = std::make_shared<GroupState>(L.tp);
-  for (auto& g : dcp) g = std::make_shared<GroupState>(L.dcp);
-  std::vector<RankGroups> out(W);
-  for (int w = 0; w < W; ++w) {
-    const int rep = L.replica(w), t = L.tp_rank(w);
-    out[w].tp = std::make_unique<LocalComm>(tp[rep], t, "tp");
-    out[w].dcp = std::make_unique<LocalComm>(dcp[rep * (L.tp / L.dcp) + t / L.dcp], t % L.dcp, "dcp");
-    out[w].world = std::make_unique<LocalComm>(world, w, "world");
-  }
-  return out;
-}
+std::vector<RankGroups> make_local_world(const Layout& L) { return make_thread_groups<GroupState, LocalComm>(L); }
 
 }  // namespace k3

@@ -1,6 +1,7 @@
 // The local backend on one GPU (comm/local_gpu.h): host barriers + stream events
 // + device copies / ops::cuda::reduce_sum on peers' device buffers.
 #include "comm/local_gpu.h"
+#include "comm/thread_groups.h"
 
 #include <barrier>
 #include <fmt/format.h>
@@ -164,20 +165,7 @@ class LocalGpuComm : public Comm {
 }  // namespace
 
 std::vector<RankGroups> make_local_gpu_world(const Layout& L) {
-  L.validate();
-  const int W = L.world();
-  auto world = std::make_shared<GpuGroupState>(W);
-  std::vector<std::shared_ptr<GpuGroupState>> tp(L.dp), dcp(L.dp * (L.tp / L.dcp));
-  for (auto& g : tp) g = std::make_shared<GpuGroupState>(L.tp);
-  for (auto& g : dcp) g = std::make_shared<GpuGroupState>(L.dcp);
-  std::vector<RankGroups> out(W);
-  for (int w = 0; w < W; ++w) {
-    const int rep = L.replica(w), t = L.tp_rank(w);
-    out[w].tp = std::make_unique<LocalGpuComm>(tp[rep], t, "tp");
-    out[w].dcp = std::make_unique<LocalGpuComm>(dcp[rep * (L.tp / L.dcp) + t / L.dcp], t % L.dcp, "dcp");
-    out[w].world = std::make_unique<LocalGpuComm>(world, w, "world");
-  }
-  return out;
+  return make_thread_groups<GpuGroupState, LocalGpuComm>(L);
 }
 
 }  // namespace k3

@@ -17,6 +17,25 @@ namespace {
 
 class GpuGenerate : public ::testing::TestWithParam<const char*> {};
 
+// The CPU engine's and the GPU rank's capacities for the tests below.
+CacheOptions cpu_options() {
+  CacheOptions co;
+  co.max_slots = 4;
+  co.max_q = 4;  // prompts are fed in chunks of 4
+  co.max_context = 128;
+  return co;
+}
+
+GpuRankOptions gpu_options(int slots = 4, int64_t context = 128) {
+  GpuRankOptions go;
+  go.max_slots = slots;
+  go.max_batch = slots;
+  go.max_q = 4;
+  go.max_context = context;
+  go.page_size = 16;
+  return go;
+}
+
 template <class F>
 void expect_error(F&& fn, const std::string& part) {
   try {
@@ -31,18 +50,8 @@ TEST_P(GpuGenerate, MatchesCpuGenerate) {
   K3_REQUIRE_GPU();
   const ModelConfig c = preset_config("tiny", GetParam());
   const std::shared_ptr<MemoryCheckpoint> src = make_synthetic(c, 5);
-  CacheOptions co;
-  co.max_slots = 4;
-  co.max_q = 4;  // prompts are fed in chunks of 4
-  co.max_context = 128;
-  Engine cpu(src, c, EngineOptions(co));
-  GpuRankOptions go;
-  go.max_slots = 4;
-  go.max_batch = 4;
-  go.max_q = 4;
-  go.max_context = 128;
-  go.page_size = 16;
-  GpuDecoder gpu(*src, c, go);
+  Engine cpu(src, c, EngineOptions(cpu_options()));
+  GpuDecoder gpu(*src, c, gpu_options());
   const std::vector<std::vector<int32_t>> prompts = {{3, 14, 15, 92, 65, 35, 89}, {7, 1}, {11, 12, 13}};
   SamplingParams sp;
   sp.stop_at_eos = false;
@@ -88,12 +97,7 @@ TEST_P(GpuGenerate, RefusesBadInput) {
   K3_REQUIRE_GPU();
   const ModelConfig c = preset_config("tiny", GetParam());
   const std::shared_ptr<MemoryCheckpoint> src = make_synthetic(c, 5);
-  GpuRankOptions go;
-  go.max_slots = 2;
-  go.max_batch = 2;
-  go.max_q = 4;
-  go.max_context = 16;
-  GpuDecoder gpu(*src, c, go);
+  GpuDecoder gpu(*src, c, gpu_options(2, 16));
   SamplingParams sp;
   const int32_t V = static_cast<int32_t>(c.vocab_size);
   expect_error([&] { generate(gpu, {{1, V}}, 2, sp, false); }, "outside vocab");
@@ -109,17 +113,8 @@ TEST_P(GpuGenerate, MultiRankOnOneGpuMatchesCpu) {
   K3_REQUIRE_GPU();
   const ModelConfig c = preset_config("tiny", GetParam());
   const std::shared_ptr<MemoryCheckpoint> src = make_synthetic(c, 5);
-  CacheOptions co;
-  co.max_slots = 4;
-  co.max_q = 4;
-  co.max_context = 128;
-  Engine cpu(src, c, EngineOptions(co));
-  GpuRankOptions go;
-  go.max_slots = 4;
-  go.max_batch = 4;
-  go.max_q = 4;
-  go.max_context = 128;
-  go.page_size = 16;
+  Engine cpu(src, c, EngineOptions(cpu_options()));
+  const GpuRankOptions go = gpu_options();
   const Layout L{2, 2, 2};
   LocalGpuCluster cluster(*src, c, go, L);
   const std::vector<std::vector<int32_t>> prompts = {{3, 14, 15, 92, 65, 35, 89}, {7, 1}, {11, 12, 13}};
