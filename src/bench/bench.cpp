@@ -134,15 +134,26 @@ int run_bench(const BenchArgs& args) {
   ModelConfig c;
   ShardSpec shard;
   GpuRankOptions go;
-  std::shared_ptr<MemoryCheckpoint> src;
+  std::shared_ptr<const TensorSource> src;  // the host weights point into it until they are uploaded
   ModelWeights host;
   bool slice = args.preset == "k3-rank-slice" && args.model_dir.empty();
   if (slice) {
     c = preset_config("full", args.variant);
     shard = ShardSpec{args.tp, args.rank % args.tp, args.tp * args.dp, args.rank};
     go.loopback = true;
+  } else if (!args.model_dir.empty()) {
+    // A model directory: the whole model on this GPU, or (tp x dp > 1) the shard of world rank `rank`
+    // with loopback collectives, as the rank slice.
+    std::shared_ptr<Checkpoint> ck = Checkpoint::open(args.model_dir);
+    c = ck->config();
+    src = ck;
+    if (args.tp * args.dp > 1) {
+      shard = ShardSpec{args.tp, args.rank % args.tp, args.tp * args.dp, args.rank};
+      check_shardable(c, shard);
+      go.loopback = true;
+    }
+    host = load_weights(c, *src, shard);
   } else {
-    K3_CHECK(args.model_dir.empty(), "bench: --model is not supported yet; use --preset tiny | small | k3-rank-slice");
     c = preset_config(args.preset, args.variant);
     src = make_synthetic(c, args.seed);
     host = load_weights(c, *src);
@@ -155,10 +166,14 @@ int run_bench(const BenchArgs& args) {
   go.max_q = maxq;
   go.page_size = 64;
   go.max_context = args.context + maxq;
-  fmt::print("building {} ({} {}, tp {} dp {} rank {}) ...\n", slice ? "the rank slice" : args.preset, args.variant,
-             slice ? "full K3 shapes" : "preset", shard.tp_size, shard.world_size / shard.tp_size, shard.world_rank);
+  const std::string what = slice ? "the rank slice" : !args.model_dir.empty() ? args.model_dir : args.preset;
+  fmt::print("building {} ({} {}, tp {} dp {} rank {}) ...\n", what, args.variant,
+             slice ? "full K3 shapes" : args.model_dir.empty() ? "preset" : "checkpoint", shard.tp_size,
+             shard.world_size / shard.tp_size, shard.world_rank);
   GpuWeights weights = slice ? build_gpu_weights(c, shard, nullptr, random_fill(args.seed, s))
                              : build_gpu_weights(c, shard, &host, upload_fill());
+  host = ModelWeights{};  // the host copies are no longer needed
+  src.reset();
   const double wbytes = static_cast<double>(weights.bytes);
   GpuRank rank(c, std::move(weights), go, ctx);
   for (auto& p : rank.cache_pools())
@@ -235,7 +250,8 @@ int run_bench(const BenchArgs& args) {
           fmt::print("{}  [eager total {:.0f}us]\n", line, total * 1e3);
         }
         std::fflush(stdout);
-        records.push_back({{"preset", slice ? "k3-rank-slice" : args.preset},
+        records.push_back({{"preset", slice ? "k3-rank-slice" : args.model_dir.empty() ? args.preset : "model"},
+                           {"model", args.model_dir},
                            {"variant", args.variant},
                            {"step", st},
                            {"requests", B},

@@ -21,7 +21,7 @@
 namespace k3 {
 
 struct BenchArgs {
-  std::string model_dir;          // a model directory, or
+  std::string model_dir;          // a model directory (whole model, or with tp x dp > 1 one rank's shard), or
   std::string preset = "k3-rank-slice";  // k3-rank-slice | tiny | small
   std::string variant = "k3";
   int tp = 8, dp = 4, rank = 0;   // the deployment the rank slice is cut from

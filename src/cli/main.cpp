@@ -146,9 +146,14 @@ int main(int argc, char** argv) {
   BenchArgs ba;
   auto* bench = app.add_subcommand("bench", "time decode steps on the GPU against their HBM floor");
   bench->add_option("--preset", ba.preset, "k3-rank-slice | tiny | small")->capture_default_str();
+  bench->add_option("--model", ba.model_dir,
+                    "a model directory instead of a preset: the whole model on this GPU, or with --tp/--dp/--rank "
+                    "the shard of that rank (loopback collectives)");
   bench->add_option("--variant", ba.variant, "k3 | k3.1")->capture_default_str();
-  bench->add_option("--tp", ba.tp, "rank slice: TP size of the deployment")->capture_default_str();
-  bench->add_option("--dp", ba.dp, "rank slice: DP replicas of the deployment")->capture_default_str();
+  auto* bench_tp = bench->add_option("--tp", ba.tp, "rank slice / --model: TP size of the deployment")
+                      ->capture_default_str();
+  auto* bench_dp = bench->add_option("--dp", ba.dp, "rank slice / --model: DP replicas of the deployment")
+                      ->capture_default_str();
   bench->add_option("--rank", ba.rank, "rank slice: world rank whose weights are built")->capture_default_str();
   bench->add_option("--batches", ba.batches, "requests per step")->capture_default_str();
   bench->add_option("--q", ba.qs, "tokens per request")->capture_default_str();
@@ -167,6 +172,10 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+#ifdef K3_CUDA
+  // --model without --tp / --dp: the whole model on the GPU (the defaults describe the rank slice).
+  if (!ba.model_dir.empty() && bench_tp->count() == 0 && bench_dp->count() == 0) ba.tp = ba.dp = 1;
+#endif
 
   try {
     if (*gen) {
