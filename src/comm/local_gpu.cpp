@@ -90,21 +90,11 @@ class LocalGpuComm : public Comm {
                     DType dt) override {
     const size_t es = dtype_size(dt);
     enter(send, send_counts);
-    int64_t at = 0;
-    std::string bad;
-    for (int p = 0; p < g_->n; ++p) {
-      int64_t off = 0;
-      for (int q = 0; q < rank_; ++q) off += g_->counts[p][q];
-      const int64_t n = g_->counts[p][rank_];
-      if (n != recv_counts[p] && bad.empty())
-        bad = fmt::format("comm {}: all_to_all_v rank {} sends {} elements to rank {}, which expects {}", name(), p, n,
-                          rank_, recv_counts[p]);
-      const int64_t take = std::min(n, recv_counts[p]);
-      if (take > 0)
-        CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + at * es, static_cast<const char*>(g_->send[p]) + off * es,
-                                   take * es, cudaMemcpyDeviceToDevice, stream_));
-      at += recv_counts[p];
-    }
+    auto copy = [&](int p, int64_t off, int64_t at, int64_t n) {
+      CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(recv) + at * es, static_cast<const char*>(g_->send[p]) + off * es,
+                                 n * es, cudaMemcpyDeviceToDevice, stream_));
+    };
+    const std::string bad = receive_pieces(g_->counts, rank_, recv_counts, name(), copy);
     leave();
     K3_CHECK(bad.empty(), "{}", bad);
   }

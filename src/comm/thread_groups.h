@@ -3,8 +3,12 @@
 // (rank, group), CommT(state, rank in group, name). Group membership as in comm.h's Layout.
 #pragma once
 
+#include <algorithm>
 #include <memory>
+#include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "comm/comm.h"
 
@@ -26,6 +30,29 @@ std::vector<RankGroups> make_thread_groups(const Layout& L) {
     out[w].world = std::make_unique<CommT>(world, w, "world");
   }
   return out;
+}
+
+// The receive side of all_to_all_v among thread ranks: peer p published its send counts in counts[p];
+// its piece for `rank` starts after its pieces for the lower ranks. copy(p, src_elem, dst_elem, n) is
+// called for every non-empty piece, clipped to what the receiver expects (recv_counts[p], laid out in
+// rank order). Returns the first count mismatch as a message naming the comm, "" when there is none.
+template <class Copy>
+std::string receive_pieces(const std::vector<const int64_t*>& counts, int rank, const int64_t* recv_counts,
+                           const std::string& comm_name, Copy&& copy) {
+  int64_t at = 0;
+  std::string bad;
+  for (size_t p = 0; p < counts.size(); ++p) {
+    int64_t off = 0;
+    for (int q = 0; q < rank; ++q) off += counts[p][q];
+    const int64_t n = counts[p][rank];
+    if (n != recv_counts[p] && bad.empty())
+      bad = fmt::format("comm {}: all_to_all_v rank {} sends {} elements to rank {}, which expects {}", comm_name, p,
+                        n, rank, recv_counts[p]);
+    const int64_t take = std::min(n, recv_counts[p]);
+    if (take > 0) copy(static_cast<int>(p), off, at, take);
+    at += recv_counts[p];
+  }
+  return bad;
 }
 
 }  // namespace k3
