@@ -167,14 +167,7 @@ __device__ __forceinline__ uint4 ldg_l2_256(const void* p) {
   return v;
 }
 
-__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
+using detail::mma_bf16_16816;
 
 // One CTA item = (slot, tile of output features); the CTA's kSplitK warps split K, each over whole
 // kChunkK steps. UP: the tile is 16 rows of W1 and the same 16 rows of W3 (the two A operands share the
