@@ -34,7 +34,7 @@ using detail::kWarp;
 
 constexpr int kArThreads = 256;
 
-__device__ __forceinline__ float round_bf16_dev(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+using detail::round_bf16_dev;
 
 template <int VEC>
 __global__ void __launch_bounds__(kArThreads) attn_res_kernel(AttnResCudaArgs a) {

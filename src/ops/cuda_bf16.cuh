@@ -27,6 +27,9 @@ __device__ __forceinline__ float bf16_to_float(k3::bf16 v) { return bf16_to_floa
 __device__ __forceinline__ uint16_t float_to_bf16_bits(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 __device__ __forceinline__ k3::bf16 float_to_bf16(float f) { return k3::bf16{float_to_bf16_bits(f)}; }
 
+// FP32 -> the nearest BF16 value, as an FP32 (the BF16 rounding points of the math).
+__device__ __forceinline__ float round_bf16_dev(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
 // Two floats -> a 32-bit word of two bf16 (lo in the low half, the lower address).
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return static_cast<uint32_t>(float_to_bf16_bits(lo)) | (static_cast<uint32_t>(float_to_bf16_bits(hi)) << 16);

@@ -1,14 +1,10 @@
-// Device helpers shared by the MoE kernels (moe.cu, moe_experts.cu; C++17): BF16 rounding of an FP32
-// and SiTU-GLU's FP32 math (moe.h).
+// Device helper shared by the MoE kernels (moe.cu, moe_experts.cu; C++17): SiTU-GLU's FP32 math (moe.h).
 #pragma once
 
-#include <cuda_bf16.h>
 
 #include "ops/moe.h"
 
 namespace k3::ops::cuda::detail {
-
-__device__ __forceinline__ float round_bf16_dev(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
 
 __device__ __forceinline__ float situ_dev(float a, float b, SituParams p) {
   const float sig = 1.f / (1.f + expf(-a));  // expf overflow gives 1 / inf = 0, as on the CPU

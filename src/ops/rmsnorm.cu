@@ -15,7 +15,7 @@ using detail::kWarp;
 
 constexpr int kNormMaxThreads = 256;
 
-__device__ __forceinline__ float round_bf16_dev(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+using detail::round_bf16_dev;
 
 template <int VEC>
 __device__ __forceinline__ void load_weight(const bf16* w, float (&f)[VEC]) {
