@@ -18,12 +18,13 @@
 
 namespace k3 {
 
-namespace {
-
 double median(std::vector<double> v) {
+  if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
+
+namespace {
 
 // HBM read bandwidth (bytes/s): median of 20 reads of a 4 GiB buffer.
 double measure_bandwidth(cudaStream_t s, int sms) {

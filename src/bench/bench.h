@@ -46,6 +46,9 @@ std::map<std::string, double> step_bytes_by_op(const ModelConfig& c, const Shard
                                                int64_t context);
 double step_bytes(const ModelConfig& c, const ShardSpec& shard, int B, int q, int64_t context);
 
+// The median of repeated timings (the mean of the two middle values for an even count; 0 when empty).
+double median(std::vector<double> v);
+
 // Runs the benchmark, prints a table, writes JSON; returns 0.
 int run_bench(const BenchArgs& args);
 

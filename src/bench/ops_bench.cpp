@@ -26,11 +26,6 @@ namespace cu = ops::cuda;
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
 // Microseconds per launch of `fn` (which enqueues one launch on s).
 double time_us(cudaStream_t s, const std::function<void()>& fn) {
   cudaEvent_t a, b;

@@ -13,6 +13,8 @@
 #include <utility>
 #include <vector>
 
+#include "bench/bench.h"
+
 namespace k3::bench {
 namespace {
 
@@ -79,12 +81,6 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
 const CUpti_ActivityKind kKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPTI_ACTIVITY_KIND_MEMCPY,
                                      CUPTI_ACTIVITY_KIND_MEMSET};
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
-
 }  // namespace
 
 TraceSummary trace_steps(const std::function<void()>& replay, int reps) {
@@ -137,14 +133,14 @@ TraceSummary trace_steps(const std::function<void()>& replay, int reps) {
     span.push_back((last - iv[0].start) * 1e-3);
   }
   out.available = true;
-  out.kernels = median(kernels);
-  out.copies = median(copies);
-  out.kernel_us = median(kernel_us);
-  out.busy_us = median(busy);
-  out.span_us = median(span);
+  out.kernels = k3::median(kernels);
+  out.copies = k3::median(copies);
+  out.kernel_us = k3::median(kernel_us);
+  out.busy_us = k3::median(busy);
+  out.span_us = k3::median(span);
   std::vector<double> gaps;
   for (size_t i = 0; i < span.size(); ++i) gaps.push_back(span[i] - busy[i]);
-  out.gap_us = median(gaps);
+  out.gap_us = k3::median(gaps);
   for (const auto& [name, cu] : per_kernel) out.by_kernel.push_back({name, cu.first / reps, cu.second / reps});
   std::sort(out.by_kernel.begin(), out.by_kernel.end(),
             [](const TraceSummary::Kernel& a, const TraceSummary::Kernel& b) { return a.us > b.us; });

@@ -1,7 +1,6 @@
 // Device helper shared by the MoE kernels (moe.cu, moe_experts.cu; C++17): SiTU-GLU's FP32 math (moe.h).
 #pragma once
 
-
 #include "ops/moe.h"
 
 namespace k3::ops::cuda::detail {
