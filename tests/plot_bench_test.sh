@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# scripts/plot-bench.py on a recorded bench JSON: one panel per q, and a point per (step, rows) plus the
+# floor's points, counted in the SVG against the records; a record without a needed key is an error.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+json="$root/docs/perf/rank_slice_k3_34a10a1.json"
+python3 "$root/scripts/plot-bench.py" "$tmp/out.svg" "$json" | grep -q "16 records, 2 panels" || { echo "FAIL: summary"; exit 1; }
+# 16 records (2 steps x 4 row counts x 2 q) + one floor point per (q, rows) = 8.
+points=$(grep -c "<circle" "$tmp/out.svg")
+[ "$points" -eq 24 ] || { echo "FAIL: $points points, expected 24"; exit 1; }
+lines=$(grep -c "<polyline" "$tmp/out.svg")
+[ "$lines" -eq 6 ] || { echo "FAIL: $lines lines, expected 6 (stock, hybrid, floor per panel)"; exit 1; }
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); del d[0]['floor_us']; json.dump(d, open(sys.argv[2],'w'))" \
+  "$json" "$tmp/bad.json"
+if python3 "$root/scripts/plot-bench.py" "$tmp/bad.svg" "$tmp/bad.json" 2>"$tmp/err.txt"; then
+  echo "FAIL: a record without floor_us was accepted"; exit 1
+fi
+grep -q "floor_us" "$tmp/err.txt" || { echo "FAIL: the error does not name floor_us"; exit 1; }
+echo "plot_bench: ok"
