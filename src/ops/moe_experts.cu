@@ -10,9 +10,12 @@
 // W4A16: each lane loads 16 packed bytes (one 32-value scale group) of a weight row per 128-value
 // chunk and dequantizes them exactly to BF16 in registers (two E2M1 values per lookup in a shared-memory
 // table, times the E8M0 power of two: exact), so the tensor-core products are the exact dequantized
-// products; only the FP32 summation order differs from the CPU. A CTA is 4 warps splitting K, their
-// partials summed in warp order through shared memory (deterministic). The weight stream is
-// software-pipelined one chunk ahead; a CTA walks a contiguous range of (slot, tile) items.
+// products; only the FP32 summation order differs from the CPU. A CTA is 4 warps, each owning one tile
+// of output rows over the whole K (one warp, one fixed order per output: deterministic); the 4 warps
+// take consecutive tiles of one expert, so they share the activations, which stream through a
+// shared-memory ring (cp.async) while the weights stream through registers one chunk ahead.
+// (Until 2026-12-02 the 4 warps split K and kept the activations in registers: 128-241 registers, 2-4
+// CTAs per SM, and at 24 pairs per pass a quarter of the HBM bandwidth.)
 #include <algorithm>
 
 #include "ops/cuda_bf16.cuh"
@@ -113,11 +116,13 @@ __global__ void __launch_bounds__(kPlanThreads)
 // ---------------------------------------------------------------------------------------------
 // Tensor-core expert GEMMs
 
-// Tokens (pairs) per 8-column tile of mma.m16n8k16, and split-K warps per CTA.
+// Tokens (pairs) per 8-column tile of mma.m16n8k16; warps per CTA (each its own tile of output rows
+// over the whole K); K values per step; activation chunks in the shared-memory ring.
 constexpr int kTokTile = 8;
-constexpr int kSplitK = 4;
-constexpr int kMmaThreads = kSplitK * kWarp;
-constexpr int kChunkK = 128;  // K values per warp step: one 32-value scale group per lane of a quad
+constexpr int kWarps = 4;
+constexpr int kMmaThreads = kWarps * kWarp;
+constexpr int kChunkK = 128;  // K values per step: one 32-value scale group per lane of a quad
+constexpr int kStages = 3;    // activation chunks staged ahead (cp.async ring)
 
 // E2M1 decoding by table: a byte (two E2M1 nibbles, low nibble first) -> BF16x2 (the low nibble's value
 // in the low half), exact: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 as BF16, the nibble's bit 3 as the sign.
@@ -151,6 +156,13 @@ __device__ __forceinline__ __nv_bfloat162 e8m0_bf16x2(uint32_t s) {
   return *reinterpret_cast<const __nv_bfloat162*>(&w);
 }
 
+// A scale slot of a lane group past K: the decoded values are multiplied by zero.
+constexpr uint32_t kNoScale = 0xFFFFFFFFu;
+__device__ __forceinline__ __nv_bfloat162 e8m0_or_zero(uint32_t s) {
+  const uint32_t z = 0u;
+  return s == kNoScale ? *reinterpret_cast<const __nv_bfloat162*>(&z) : e8m0_bf16x2(s);
+}
+
 __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t v, __nv_bfloat162 s) {
   __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&v);
   x = __hmul2(x, s);  // a power of two: exact
@@ -167,23 +179,34 @@ __device__ __forceinline__ uint4 ldg_l2_256(const void* p) {
   return v;
 }
 
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+using detail::cp_async16;
+using detail::cp_async_commit;
 using detail::mma_bf16_16816;
 
-// One CTA item = (slot, tile of output features); the CTA's kSplitK warps split K, each over whole
-// kChunkK steps. UP: the tile is 16 rows of W1 and the same 16 rows of W3 (the two A operands share the
+// Few pairs per expert (<= 4 on average: one token tile): moe_mma_splitk_kernel. One CTA item = (slot, tile
+// of output features); the CTA's kWarps warps split K, each over whole kChunkK steps, their partials summed
+// in warp order through shared memory (deterministic), so a layer with few experts in use still spreads
+// over every SM. UP: the tile is 16 rows of W1 and the same 16 rows of W3 (the two A operands share the
 // B fragments), epilogue h = bf16(situ(bf16(W1 z), bf16(W3 z))); DOWN: the tile is 32 rows of W2 (two
-// A operands), epilogue o = bf16(W2 h). NT token tiles of 8 pairs per pass over K (more pairs: more passes).
+// A operands), epilogue o = bf16(W2 h). One token tile of 8 pairs per pass over K (more pairs: more passes). The
+// activations come from L2 into registers, one chunk ahead like the weights.
 //
 // Fragments (lane = 4 g + t): lane t of a quad owns the 32-value scale group t of each 128-value chunk,
 // for weight rows g and g + 8 of each A operand, and the same 32 activation values of token g of each
 // token tile. mma step s in 0..7 takes values 4s..4s+3 of those 32 as its k slots {2t, 2t+1, 2t+8, 2t+9}
 // for A and B alike: a sum over k is order-free, so any consistent assignment is the same product.
-template <int NT, bool UP>
+template <bool UP>
 __global__ void __launch_bounds__(kMmaThreads)
-    moe_mma_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
+    moe_mma_splitk_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
                    int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
+  constexpr int NT = 1;
   constexpr int kAcc = 2 * NT * 4;  // two A operands x NT token tiles x 4 accumulators per lane
-  __shared__ float part[kSplitK][kAcc][kWarp];
+  __shared__ float part[kWarps][kAcc][kWarp];
   __shared__ uint32_t lut[kLutEntries][kWarp];  // 32 KiB
   for (int i = threadIdx.x; i < kLutEntries * kWarp; i += kMmaThreads)
     lut[i / kWarp][i % kWarp] = e2m1_pair_bits(static_cast<uint32_t>(i / kWarp));
@@ -193,7 +216,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int64_t items = static_cast<int64_t>(*plan.n_active) * tiles_per_slot;
   const int64_t per = (items + gridDim.x - 1) / gridDim.x;
   const int64_t i_begin = static_cast<int64_t>(blockIdx.x) * per, i_end = min(items, i_begin + per);
-  const int64_t chunks = (K + kChunkK - 1) / kChunkK, wchunks = (chunks + kSplitK - 1) / kSplitK;
+  const int64_t chunks = (K + kChunkK - 1) / kChunkK, wchunks = (chunks + kWarps - 1) / kWarps;
   const int64_t c_begin = min(chunks, warp * wchunks), c_end = min(chunks, c_begin + wchunks);
   const int64_t row_bytes = K / 2, row_scales = K / 32;
   const int tg = 32 * t < K ? t : 0;  // the lane's group in a chunk; a lane with none (K < 128) reads group 0
@@ -313,7 +336,7 @@ __global__ void __launch_bounds__(kMmaThreads)
         const int64_t pair = plan.pair_list[begin + tok];
         float s0 = 0.f, s1 = 0.f;
 #pragma unroll
-        for (int w = 0; w < kSplitK; ++w) {
+        for (int w = 0; w < kWarps; ++w) {
           s0 += part[w][(m * NT + j) * 4 + i][ln];
           if (UP) s1 += part[w][(NT + j) * 4 + i][ln];
         }
@@ -325,28 +348,241 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
 }
 
-// CTAs of moe_mma_kernel<NT, UP> resident per SM (queried once per instantiation and device).
+
+// A staged activation chunk is [cols][kChunkK] BF16, 256 bytes per token row; 16-byte piece p of row r
+// sits at piece x_piece(p, r), so that the 8 lanes of a 128-bit shared load phase (rows g, g + 1 of the
+// tile, groups t = 0..3, reading piece 4 t + q) hit 8 different bank groups.
+__device__ __forceinline__ int x_piece(int p, int r) { return p ^ (((p >> 3) & 1) | ((r & 1) << 1)); }
+
+// Shared memory of moe_mma_kernel<NT> past its static table: the activation ring.
+constexpr size_t mma_ring_bytes(int nt) { return size_t{kStages} * nt * kTokTile * kChunkK * 2; }
+
+// More pairs per expert (2 or 3 token tiles per pass): moe_mma_kernel<NT>. A CTA walks a contiguous
+// range of groups = (slot, 4 consecutive tiles of output rows); warp w owns tile
+// 4 j + w of the group over the whole K, so no partial sums are exchanged. UP: a tile is 16 rows of W1 and
+// the same 16 rows of W3 (two A operands sharing the B fragments), epilogue h = bf16(situ(bf16(W1 z),
+// bf16(W3 z))); DOWN: a tile is 32 rows of W2 (two A operands), epilogue o = bf16(W2 h). A pass takes up
+// to NT token tiles of 8 pairs (more pairs: more passes); its activations stream through a kStages-deep
+// shared-memory ring of 128-value chunks (cp.async), read by all four warps; the weights stream through
+// registers one chunk ahead of use, straight from HBM.
+//
+// Fragments (lane = 4 g + t): lane t of a quad owns the 32-value scale group t of each 128-value chunk,
+// for weight rows g and g + 8 of each A operand, and the same 32 activation values of token g of each
+// token tile. mma step s in 0..7 takes values 4s..4s+3 of those 32 as its k slots {2t, 2t+1, 2t+8, 2t+9}
+// for A and B alike: a sum over k is order-free, so any consistent assignment is the same product.
 template <int NT, bool UP>
-int mma_ctas_per_sm() {
+__global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
+    moe_mma_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
+                   int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
+  constexpr int kCols = NT * kTokTile;  // token columns per pass
+  __shared__ uint32_t lut[kLutEntries][kWarp];  // 32 KiB
+  extern __shared__ __align__(16) unsigned char ring_raw[];
+  bf16* ring = reinterpret_cast<bf16*>(ring_raw);  // [kStages][kCols][kChunkK], pieces swizzled
+  for (int i = threadIdx.x; i < kLutEntries * kWarp; i += kMmaThreads)
+    lut[i / kWarp][i % kWarp] = e2m1_pair_bits(static_cast<uint32_t>(i / kWarp));
+  __syncthreads();
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
+  const uint32_t* lut_lane = &lut[0][lane];
+  const int64_t gps = (tiles_per_slot + kWarps - 1) / kWarps;  // groups per slot
+  const int64_t groups = static_cast<int64_t>(*plan.n_active) * gps;
+  const int64_t per = (groups + gridDim.x - 1) / gridDim.x;
+  const int64_t g_begin = static_cast<int64_t>(blockIdx.x) * per, g_end = min(groups, g_begin + per);
+  const int chunks = static_cast<int>((K + kChunkK - 1) / kChunkK), full = static_cast<int>(K / kChunkK);
+  const int64_t row_bytes = K / 2, row_scales = K / 32;
+  // The lane's group in the last chunk may lie past K (K % 128 != 0): its weights are read from chunk 0
+  // and its scale is zero, so they add nothing (the staged activations there are zeros too).
+  const bool tail_ok = full * kChunkK + 32 * t < K;
+  const int tg = 32 * t < K ? t : 0;  // the lane's group in chunk 0 (a group past a short row: group 0)
+  // Staging: thread -> pieces tid + 128 r (r < NT) of a chunk: token column c / 16, piece c % 16.
+  for (int64_t grp = g_begin; grp < g_end; ++grp) {
+    const int slot = static_cast<int>(grp / gps);
+    const int64_t tile_raw = (grp % gps) * kWarps + warp;
+    const bool live = tile_raw < tiles_per_slot;
+    const int64_t tile = live ? tile_raw : tiles_per_slot - 1;  // an idle warp computes a real tile, unstored
+    const int e = plan.slot_expert[slot], begin = plan.slot_begin[slot], count = plan.slot_count[slot];
+    // A rows g (pointers per operand) and g + 8 (hop bytes further).
+    const uint8_t* ap[2];
+    const uint8_t* as[2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const uint8_t* base = UP ? (m == 0 ? ex.w1_packed[e] : ex.w3_packed[e]) : ex.w2_packed[e];
+      const uint8_t* sbase = UP ? (m == 0 ? ex.w1_scale[e] : ex.w3_scale[e]) : ex.w2_scale[e];
+      const int64_t row = (UP ? tile * 16 : tile * 32 + 16 * m) + g;
+      ap[m] = base + row * row_bytes + 16 * tg;
+      as[m] = sbase + row * row_scales + tg;
+    }
+    // (N, a multiple of 32 as moe_experts checks, holds whole tiles: every row is real.)
+    const int64_t hop = 8 * row_bytes, shop = 8 * row_scales;
+    for (int t0 = 0; t0 < count; t0 += kCols) {
+      const int nt = min(NT, (count - t0 + kTokTile - 1) / kTokTile);  // CTA-uniform
+      // This thread's staged pieces: sources (columns past count repeat a real token) and ring offsets.
+      const bf16* xsrc[NT];
+      int xdst[NT];
+#pragma unroll
+      for (int r = 0; r < NT; ++r) {
+        const int c = threadIdx.x + kMmaThreads * r, col = c / 16, piece = c % 16;
+        const int tok = min(count - 1, t0 + col);
+        const int64_t pair = plan.pair_list[begin + tok];
+        xsrc[r] = x + (UP ? pair / k : pair) * K;
+        xdst[r] = col * kChunkK + 8 * x_piece(piece, col);
+      }
+      auto stage = [&](int c) {
+        bf16* dst = ring + (c % kStages) * (kCols * kChunkK);
+#pragma unroll
+        for (int r = 0; r < NT; ++r) {
+          if (r < nt) {
+            const int piece = (threadIdx.x + kMmaThreads * r) % 16;
+            const bool ok = static_cast<int64_t>(c) * kChunkK + 8 * piece < K;
+            cp_async16(dst + xdst[r], ok ? xsrc[r] + c * kChunkK + 8 * piece : xsrc[r], ok);
+          }
+        }
+      };
+#pragma unroll
+      for (int s = 0; s < kStages - 1; ++s) {
+        if (s < chunks) stage(s);
+        cp_async_commit();
+      }
+
+      float acc[2][NT][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
+
+      struct W {
+        uint4 q[2][2];    // [operand][row g, g + 8]: 32 E2M1 values of group t
+        uint32_t s[2][2];  // their E8M0 scales, or kNoScale
+      };
+      // Chunk c's weights of this lane (c past the end: the last chunk again, unused).
+      auto load_w = [&](int c, W& w) {
+        int cc = c < chunks ? c : chunks - 1;
+        const bool ok = cc < full || tail_ok;
+        cc = ok ? cc : 0;
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            w.q[m][h] = ldg_l2_256(ap[m] + h * hop + cc * (kChunkK / 2));
+            const uint32_t sv = __ldg(as[m] + h * shop + cc * (kChunkK / 32));
+            w.s[m][h] = ok ? sv : kNoScale;
+          }
+      };
+      // One chunk: wait for its activations, free the oldest ring slot, stage chunk c + kStages - 1, then
+      // decode and multiply.
+      auto compute = [&](int c, const W& w) {
+        cp_async_wait<kStages - 2>();
+        __syncthreads();  // chunk c is visible to every warp, and every warp is done with chunk c - 1
+        if (c + kStages - 1 < chunks) stage(c + kStages - 1);
+        cp_async_commit();
+        const bf16* xs = ring + (c % kStages) * (kCols * kChunkK);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {  // word q of each lane's 16 bytes: values 8q..8q+7, mma steps 2q, 2q+1
+          uint4 b[NT];
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const int col = kTokTile * j + g;
+            if (j < nt) b[j] = *reinterpret_cast<const uint4*>(xs + col * kChunkK + 8 * x_piece(4 * t + q, col));
+          }
+#pragma unroll
+          for (int m = 0; m < 2; ++m) {
+            uint32_t a[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint4 v = w.q[m][h];
+              e2m1x8_to_bf16x8(lut_lane, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[h]);
+              const __nv_bfloat162 sc = e8m0_or_zero(w.s[m][h]);
+#pragma unroll
+              for (int p = 0; p < 4; ++p) a[h][p] = scale_bf16x2(a[h][p], sc);
+            }
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              if (j < nt) {
+                mma_bf16_16816(acc[m][j], a[0][0], a[1][0], a[0][1], a[1][1], b[j].x, b[j].y);
+                mma_bf16_16816(acc[m][j], a[0][2], a[1][2], a[0][3], a[1][3], b[j].z, b[j].w);
+              }
+            }
+          }
+        }
+      };
+      // Two register sets of weights, alternating (no copies between them).
+      W w0, w1;
+      load_w(0, w0);
+      for (int c = 0; c < chunks; c += 2) {
+        load_w(c + 1, w1);
+        compute(c, w0);
+        if (c + 1 >= chunks) break;
+        load_w(c + 2, w0);
+        compute(c + 1, w1);
+      }
+      cp_async_wait<0>();
+      __syncthreads();  // the ring is free for the next pass or group
+
+      // Epilogue straight from the accumulators: lane (g, t) holds rows g, g + 8 and columns 2t, 2t + 1.
+      if (live) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          if (j >= nt) continue;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int tok = t0 + kTokTile * j + 2 * t + (i & 1);
+            if (tok >= count) continue;
+            const int64_t pair = plan.pair_list[begin + tok];
+#pragma unroll
+            for (int m = 0; m < (UP ? 1 : 2); ++m) {
+              const int64_t n = (UP ? tile * 16 : tile * 32 + 16 * m) + g + 8 * (i >> 1);
+              if (n >= N) continue;
+              const float v = UP ? detail::situ_dev(detail::round_bf16_dev(acc[0][j][i]),
+                                                    detail::round_bf16_dev(acc[1][j][i]), sp)
+                                 : acc[m][j][i];
+              out[pair * N + n] = detail::float_to_bf16(v);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// CTAs of a kernel resident per SM with dyn_smem bytes of dynamic shared memory (queried once per kernel
+// and device).
+template <auto Kernel>
+int ctas_per_sm(size_t dyn_smem) {
   static int cached[64] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 2;
   if (cached[dev] == 0) {
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, moe_mma_kernel<NT, UP>, kMmaThreads, 0) != cudaSuccess ||
-        n <= 0)
-      n = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kMmaThreads, dyn_smem) != cudaSuccess || n <= 0) n = 1;
     cached[dev] = n;
   }
   return cached[dev];
+}
+
+template <bool UP>
+int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K, int64_t N,
+                  int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
+  const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
+  const int64_t blocks = std::min<int64_t>(max_slots * tiles, int64_t{sms} * ctas_per_sm<moe_mma_splitk_kernel<UP>>(0));
+  moe_mma_splitk_kernel<UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads, 0, s>>>(
+      x, plan, ex, out, k, K, N, tiles, sp);
+  return cudaGetLastError();
 }
 
 template <int NT, bool UP>
 int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K, int64_t N,
                int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
   const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
-  const int64_t blocks = std::min<int64_t>(max_slots * tiles, int64_t{sms} * mma_ctas_per_sm<NT, UP>());
-  moe_mma_kernel<NT, UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads, 0, s>>>(
+  const int64_t gps = (tiles + kWarps - 1) / kWarps;
+  // The table (32 KiB, static) plus the ring can pass the 48 KiB a CTA gets without asking.
+  if (const cudaError_t e = cudaFuncSetAttribute(moe_mma_kernel<NT, UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(mma_ring_bytes(NT)));
+      e != cudaSuccess)
+    return e;
+  const int64_t blocks =
+      std::min<int64_t>(max_slots * gps, int64_t{sms} * ctas_per_sm<moe_mma_kernel<NT, UP>>(mma_ring_bytes(NT)));
+  moe_mma_kernel<NT, UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads, mma_ring_bytes(NT), s>>>(
       x, plan, ex, out, k, K, N, tiles, sp);
   return cudaGetLastError();
 }
@@ -354,7 +590,7 @@ int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16
 template <bool UP>
 int launch_mma_nt(int nt, const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K,
                   int64_t N, int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
-  if (nt <= 1) return launch_mma<1, UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
+  if (nt <= 1) return launch_splitk<UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
   if (nt <= 2) return launch_mma<2, UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
   return launch_mma<3, UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
 }

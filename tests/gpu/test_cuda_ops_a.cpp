@@ -634,6 +634,11 @@ TEST(CudaMoe, MoeExpertsMatchesCpuSmall) {
   for (int64_t rows : {1, 7, 33}) check_moe_experts({rows, 4, 64, 96, 16, 4, 8, 4}, 9000 + rows);
   // Every expert local, a non-power-of-two k.
   check_moe_experts({5, 3, 96, 64, 6, 0, 6, 3}, 9100);
+  // 96 pairs on each of 4 experts: several passes of 24 tokens; K = 96 and 160 end inside a 128-value
+  // chunk; 10 and 3 row tiles leave warps of a CTA idle.
+  check_moe_experts({96, 4, 96, 160, 4, 0, 4, 4}, 9150);
+  // 12 pairs per expert: two token tiles per pass.
+  check_moe_experts({24, 2, 64, 96, 4, 0, 4, 2}, 9160);
 }
 
 TEST(CudaMoe, MoeExpertsMatchesCpuK3RankSlice) {
