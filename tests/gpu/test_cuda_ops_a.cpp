@@ -693,7 +693,11 @@ TEST(CudaRouter, MatchesCpuSelectionAndWeights) {
     int64_t T;
     int E, k;
   };
-  const Case cases[] = {{1, 8, 1}, {5, 64, 6}, {3, 33, 33}, {7, 100, 7}, {1, 896, 16}, {64, 896, 16}, {9, 2000, 40}};
+  // The network path (k <= 32, E <= 4096) with lists of 16 (k <= 16) and of 32, one warp (E <= 128) and
+  // many, E = 1, k = E, E = 4096 (32 warps); the round path for k > 32 or E > 4096 (up to the limit).
+  const Case cases[] = {{1, 8, 1},     {2, 1, 1},     {5, 64, 6},     {3, 32, 32},   {3, 33, 33},
+                        {7, 100, 7},   {4, 100, 20},  {1, 896, 16},   {64, 896, 16}, {4, 896, 32},
+                        {5, 1000, 16}, {2, 4096, 32}, {2, 4097, 16},  {9, 2000, 40}, {1, 12032, 16}};
   uint64_t seed = 10000;
   for (const auto& c : cases) {
     for (bool with_bias : {false, true}) {
@@ -708,18 +712,23 @@ TEST(CudaRouter, MatchesCpuSelectionAndWeights) {
 
 TEST(CudaRouter, TiesGoToTheLowerIndexAndNanNeverWins) {
   K3_REQUIRE_GPU();
-  const int E = 96, k = 16;
-  const int64_t T = 3;
+  const int E = 96;
+  const int64_t T = 5;
   std::vector<float> logits(static_cast<size_t>(T * E));
   for (int e = 0; e < E; ++e) {
-    logits[e] = 0.25f;                                         // row 0: all equal
-    logits[E + e] = 0.1f * static_cast<float>(e % 5);          // row 1: groups of equal scores
-    logits[2 * E + e] = e == 0 || e == 50 ? NAN : 0.01f * e;   // row 2: NaNs
+    logits[e] = 0.25f;                                              // row 0: all equal
+    logits[E + e] = 0.1f * static_cast<float>(e % 5);               // row 1: groups of equal scores
+    logits[2 * E + e] = e == 0 || e == 50 ? NAN : 0.01f * e;        // row 2: NaNs
+    logits[3 * E + e] = e % 4 == 1 ? INFINITY : -INFINITY;          // row 3: s exactly 1 or 0, many ties
+    logits[4 * E + e] = e % 2 == 0 ? -INFINITY : NAN;               // row 4: s = 0 ties above NaN's -inf
   }
-  check_route(logits, nullptr, T, E, k, true, 1.0f, "ties");
   std::vector<float> bias(static_cast<size_t>(E));
   for (int e = 0; e < E; ++e) bias[e] = (e % 3 == 0) ? 0.5f : 0.f;  // the bias steers ties too
-  check_route(logits, &bias, T, E, k, true, 1.0f, "ties with bias");
+  // k = 16 and 32: the network's two list sizes; k = 48: the round path.
+  for (int k : {16, 32, 48}) {
+    check_route(logits, nullptr, T, E, k, true, 1.0f, "ties");
+    check_route(logits, &bias, T, E, k, true, 1.0f, "ties with bias");
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
