@@ -305,17 +305,25 @@ TEST(CudaAttnRes, MatchesCpuAtDecodeRowCounts) {
       seed += 6;
     }
   }
-  // More sources than one load group of the kernel (16): 40 blocks + p.
+  // More sources than one partial-sum pass of the kernel (8) and than a warp's lanes (32): 40 blocks + p.
   for (int64_t rows : {1, 5}) {
     check_attn_res({rows, 7168, true, 40, 17, true}, 48, seed);
     seed += 6;
     check_attn_res({rows, 7168, false, 40, 3, false}, 48, seed);
     seed += 6;
   }
-  // Odd dims: the element-wise kernel split over a cluster, and a remainder slice.
+  // Odd dims: a remainder slice, and the element-wise fallback kernel.
   check_attn_res({2, 7000, true, 8, 3, true}, max_blocks, seed);  // 7000 % 8 == 0: 875 chunks
   seed += 6;
   check_attn_res({3, 7001, true, 8, -1, true}, max_blocks, seed);  // element-wise
+  seed += 6;
+  // Many rows: fewer CTAs per row (2 and 1 on an H200), several chunks per thread at 1.
+  check_attn_res({700, 7168, true, 3, 1, true}, 4, seed);
+  seed += 6;
+  check_attn_res({1100, 7168, true, 0, 0, true}, 1, seed);
+  seed += 6;
+  // Slices too large for shared memory even at 8 CTAs per row: the vectorized fallback kernel.
+  check_attn_res({3, 65536, true, 40, 17, true}, 48, seed);
 }
 
 // ---------------------------------------------------------------------------------------------
