@@ -142,10 +142,16 @@ __device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t byte) {
 }
 
 // 8 E2M1 nibbles of w (nibble i = value i) -> 4 BF16x2 words (word p = values 2p, 2p+1), from the lane's
-// column of the table (lut_lane = &lut[0][lane], entries kWarp words apart).
-__device__ __forceinline__ void e2m1x8_to_bf16x8(const uint32_t* lut_lane, uint32_t w, uint32_t (&out)[4]) {
-#pragma unroll
-  for (int p = 0; p < 4; ++p) out[p] = lut_lane[((w >> (8 * p)) & 0xFFu) * kWarp];
+// column of the table (lut: the table; lane4 = 4 * lane, the column's byte offset; entries are 128 bytes
+// apart): byte p of w lands at bits 7..14 of the offset with one shift, the lane's column ORs in
+// (one LOP3), and the table's own address is the load's immediate.
+__device__ __forceinline__ void e2m1x8_to_bf16x8(const uint32_t (*lut)[kWarp], uint32_t lane4, uint32_t w,
+                                                 uint32_t (&out)[4]) {
+  const char* t = reinterpret_cast<const char*>(&lut[0][0]);
+  out[0] = *reinterpret_cast<const uint32_t*>(t + (((w << 7) & 0x7F80u) | lane4));
+  out[1] = *reinterpret_cast<const uint32_t*>(t + (((w >> 1) & 0x7F80u) | lane4));
+  out[2] = *reinterpret_cast<const uint32_t*>(t + (((w >> 9) & 0x7F80u) | lane4));
+  out[3] = *reinterpret_cast<const uint32_t*>(t + (((w >> 17) & 0x7F80u) | lane4));
 }
 
 // E8M0 scale byte -> 2^(s - 127) as BF16x2 (both halves): s << 7 is that BF16 for s in 1..255 (255: inf,
@@ -212,7 +218,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     lut[i / kWarp][i % kWarp] = e2m1_pair_bits(static_cast<uint32_t>(i / kWarp));
   __syncthreads();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
-  const uint32_t* lut_lane = &lut[0][lane];
+  const uint32_t lane4 = 4u * static_cast<uint32_t>(lane);
   const int64_t items = static_cast<int64_t>(*plan.n_active) * tiles_per_slot;
   const int64_t per = (items + gridDim.x - 1) / gridDim.x;
   const int64_t i_begin = static_cast<int64_t>(blockIdx.x) * per, i_end = min(items, i_begin + per);
@@ -254,45 +260,33 @@ __global__ void __launch_bounds__(kMmaThreads)
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
-      // Weights (HBM) and activations (L2) of the next chunk are loaded before the current one is used.
-      // Loads are unconditional so they issue together: a lane's group past K reads one inside the row
-      // instead (finite values that meet zero weights).
-      uint4 wq[2][2], xb[NT][4];
-      uint32_t ws[2][2];
-      auto load = [&](int64_t c, uint4 (&q)[2][2], uint32_t (&s)[2][2], uint4 (&b)[NT][4]) {
-        const bool ok = c < c_end && c * kChunkK + 32 * t < K;
-        const int64_t cw = ok ? c : 0;
+      // Weights (HBM) and activations (L2) of the next chunk are loaded before the current one is used,
+      // into two register sets used in turn (no copies between them). Loads are unconditional so they
+      // issue together: a chunk past the warp's range reloads its last one (unused); a lane group past K
+      // reads group tg of chunk 0 instead, with a zero scale (and finite activations).
+      struct Buf {
+        uint4 q[2][2];     // [operand][row g, g + 8]: 32 E2M1 values of the lane's group
+        uint32_t s[2][2];  // their E8M0 scales, or kNoScale
+        uint4 b[NT][4];    // the 32 activations of token g of each token tile
+      };
+      auto load = [&](int64_t c, Buf& u) {
+        const int64_t cl = c < c_end ? c : c_end - 1;
+        const bool ok = cl * kChunkK + 32 * t < K;
+        const int64_t cw = ok ? cl : 0;
 #pragma unroll
         for (int m = 0; m < 2; ++m)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            q[m][h] = ldg_l2_256(ap[m][h] + cw * (kChunkK / 2));
-            s[m][h] = __ldg(as[m][h] + cw * (kChunkK / 32));
-            if (!ok) q[m][h] = make_uint4(0, 0, 0, 0);
+            u.q[m][h] = ldg_l2_256(ap[m][h] + cw * (kChunkK / 2));
+            const uint32_t sv = __ldg(as[m][h] + cw * (kChunkK / 32));
+            u.s[m][h] = ok ? sv : kNoScale;
           }
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int v = 0; v < 4; ++v) b[j][v] = __ldg(reinterpret_cast<const uint4*>(xr[j] + cw * kChunkK) + v);
+          for (int v = 0; v < 4; ++v) u.b[j][v] = __ldg(reinterpret_cast<const uint4*>(xr[j] + cw * kChunkK) + v);
       };
-      load(c_begin, wq, ws, xb);
-      for (int64_t c = c_begin; c < c_end; ++c) {
-        uint4 cq[2][2], cb[NT][4];
-        uint32_t cs[2][2];
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) cq[m][h] = wq[m][h], cs[m][h] = ws[m][h];
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int v = 0; v < 4; ++v) cb[j][v] = xb[j][v];
-        load(c + 1, wq, ws, xb);
-        __nv_bfloat162 sc[2][2];
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) sc[m][h] = e8m0_bf16x2(cs[m][h]);
+      auto compute = [&](const Buf& u) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // word q of each lane's 16 bytes: values 8q..8q+7, mma steps 2q, 2q+1
           uint32_t a[2][2][4];
@@ -300,15 +294,16 @@ __global__ void __launch_bounds__(kMmaThreads)
           for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const uint4 v = cq[m][h];
-              e2m1x8_to_bf16x8(lut_lane, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[m][h]);
+              const uint4 v = u.q[m][h];
+              e2m1x8_to_bf16x8(lut, lane4, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[m][h]);
+              const __nv_bfloat162 sc = e8m0_or_zero(u.s[m][h]);
 #pragma unroll
-              for (int p = 0; p < 4; ++p) a[m][h][p] = scale_bf16x2(a[m][h][p], sc[m][h]);
+              for (int p = 0; p < 4; ++p) a[m][h][p] = scale_bf16x2(a[m][h][p], sc);
             }
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
             if (j < nt) {
-              const uint4 b = cb[j][q];
+              const uint4 b = u.b[j][q];
 #pragma unroll
               for (int m = 0; m < 2; ++m) {
                 mma_bf16_16816(acc[m][j], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b.x, b.y);
@@ -316,6 +311,17 @@ __global__ void __launch_bounds__(kMmaThreads)
               }
             }
           }
+        }
+      };
+      if (c_begin < c_end) {
+        Buf u0, u1;
+        load(c_begin, u0);
+        for (int64_t c = c_begin; c < c_end; c += 2) {
+          load(c + 1, u1);
+          compute(u0);
+          if (c + 1 >= c_end) break;
+          load(c + 2, u0);
+          compute(u1);
         }
       }
       // Split-K: the warps' partials meet in shared memory and are summed in warp order.
@@ -382,7 +388,7 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
     lut[i / kWarp][i % kWarp] = e2m1_pair_bits(static_cast<uint32_t>(i / kWarp));
   __syncthreads();
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
-  const uint32_t* lut_lane = &lut[0][lane];
+  const uint32_t lane4 = 4u * static_cast<uint32_t>(lane);
   const int64_t gps = (tiles_per_slot + kWarps - 1) / kWarps;  // groups per slot
   const int64_t groups = static_cast<int64_t>(*plan.n_active) * gps;
   const int64_t per = (groups + gridDim.x - 1) / gridDim.x;
@@ -491,7 +497,7 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const uint4 v = w.q[m][h];
-              e2m1x8_to_bf16x8(lut_lane, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[h]);
+              e2m1x8_to_bf16x8(lut, lane4, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[h]);
               const __nv_bfloat162 sc = e8m0_or_zero(w.s[m][h]);
 #pragma unroll
               for (int p = 0; p < 4; ++p) a[h][p] = scale_bf16x2(a[h][p], sc);
