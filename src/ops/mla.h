@@ -49,7 +49,8 @@ namespace k3::ops::cuda {
 int mla_absorb_q(const bf16* q, const bf16* w_kvb, bf16* q_lat, int64_t T, int H, int dn, int P, int dv, int R,
                  CUstream_st* stream);
 
-// Scratch bytes mla_attend_paged needs for B x q_len tokens whose context lengths are all <= max_ctx (0: none).
+// Scratch bytes mla_attend_paged needs for B x q_len tokens whose context lengths are all <= max_ctx (0: none);
+// also enough for any call with fewer requests, fewer tokens per request or a smaller max_ctx.
 size_t mla_attend_paged_scratch_bytes(int B, int q_len, int H, int R, int max_ctx);
 
 // q_lat BF16 [B*q_len, H, R+P], kv_pool as above, ctx_len int32 [B*q_len] (positions visible: pos + 1, each in
@@ -60,7 +61,8 @@ int mla_attend_paged(const bf16* q_lat, const bf16* kv_pool, const int32_t* bloc
                      const int32_t* ctx_len, int B, int q_len, int max_ctx, int H, int R, int P, float scale,
                      float* o_lat, float* lse, void* scratch, size_t scratch_bytes, CUstream_st* stream);
 
-// Scratch bytes mla_attend_indexed needs for T tokens of at most max_sel selected entries each (0: none).
+// Scratch bytes mla_attend_indexed needs for T tokens of at most max_sel selected entries each (0: none); also
+// enough for fewer tokens or a smaller max_sel.
 size_t mla_attend_indexed_scratch_bytes(int64_t T, int H, int R, int max_sel);
 
 // DSA: token t attends the entries at positions sel[t, 0 .. sel_count[t]) (int32 [T, max_sel], counts [T] in
