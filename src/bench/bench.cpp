@@ -168,7 +168,9 @@ int run_bench(const BenchArgs& args) {
   go.page_size = 64;
   go.max_context = args.context + maxq;
   const std::string what = slice ? "the rank slice" : !args.model_dir.empty() ? args.model_dir : args.preset;
-  fmt::print("building {} ({} {}, tp {} dp {} rank {}) ...\n", what, args.variant,
+  // A model directory names its own variant (DSA or not); --variant picks the presets'.
+  const std::string variant = args.model_dir.empty() ? args.variant : c.is_dsa() ? "k3.1" : "k3";
+  fmt::print("building {} ({} {}, tp {} dp {} rank {}) ...\n", what, variant,
              slice ? "full K3 shapes" : args.model_dir.empty() ? "preset" : "checkpoint", shard.tp_size,
              shard.world_size / shard.tp_size, shard.world_rank);
   GpuWeights weights = slice ? build_gpu_weights(c, shard, nullptr, random_fill(args.seed, s))
@@ -253,7 +255,7 @@ int run_bench(const BenchArgs& args) {
         std::fflush(stdout);
         records.push_back({{"preset", slice ? "k3-rank-slice" : args.model_dir.empty() ? args.preset : "model"},
                            {"model", args.model_dir},
-                           {"variant", args.variant},
+                           {"variant", variant},
                            {"step", st},
                            {"requests", B},
                            {"q", q},
