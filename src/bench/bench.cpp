@@ -14,6 +14,7 @@
 #include "core/cuda.h"
 #include "core/rng.h"
 #include "io/synthetic.h"
+#include "ops/linear.h"
 #include "runtime/gpu_rank.h"
 
 namespace k3 {
@@ -47,6 +48,33 @@ double measure_bandwidth(cudaStream_t s, int sms) {
   cudaEventDestroy(a);
   cudaEventDestroy(b);
   return static_cast<double>(bytes) / median(t);
+}
+
+// Dense BF16 matrix rate (FLOP/s): cuBLASLt on 8192 x 8192 x 8192 (FP32 accumulation, BF16 out), random
+// operands, median of 10 timed runs after 2 warm-ups. The compute floor of a kernel is its FLOPs / this.
+double measure_matrix_rate(const ops::cuda::Context& ctx) {
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(ctx.stream);
+  const int64_t n = 8192;
+  DeviceBuffer x(n * n * 2), w(n * n * 2), y(n * n * 2);
+  CUDA_CHECK(static_cast<cudaError_t>(bench::fill(x.get(), n * n, 0, 0.0f, 0.05f, 21, s)));
+  CUDA_CHECK(static_cast<cudaError_t>(bench::fill(w.get(), n * n, 0, 0.0f, 0.05f, 22, s)));
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int i = 0; i < 12; ++i) {
+    CUDA_CHECK(cudaEventRecord(a, s));
+    CUDA_CHECK(static_cast<cudaError_t>(ops::cuda::linear_via(ctx, ops::cuda::LinearPath::CublasLt, x.get<bf16>(),
+                                                              w.get<bf16>(), y.get(), false, n, n, n)));
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (i >= 2) t.push_back(ms * 1e-3);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return 2.0 * static_cast<double>(n) * n * n / median(t);
 }
 
 }  // namespace
@@ -130,7 +158,9 @@ int run_bench(const BenchArgs& args) {
   cudaStream_t s = reinterpret_cast<cudaStream_t>(ctx.stream);
   const double bw = measure_bandwidth(s, ctx.sm_count);
   fmt::print("HBM read bandwidth (streaming kernel, 4 GiB): {:.0f} GB/s\n", bw / 1e9);
-  if (args.ops) return run_ops_bench(args, bw, ctx);
+  const double flops = measure_matrix_rate(ctx);
+  fmt::print("BF16 matrix rate (cuBLASLt, 8192 x 8192 x 8192, FP32 accumulation): {:.0f} TFLOP/s\n", flops / 1e12);
+  if (args.ops) return run_ops_bench(args, bw, flops, ctx);
 
   ModelConfig c;
   ShardSpec shard;
@@ -268,6 +298,7 @@ int run_bench(const BenchArgs& args) {
                            {"floor_us", floor_us},
                            {"ratio", med / floor_us},
                            {"hbm_gbps", bw / 1e9},
+                           {"matrix_tflops", flops / 1e12},
                            {"iters", args.iters},
                            {"profile_us", breakdown},
                            {"profile_bytes", op_bytes_json},

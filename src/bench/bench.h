@@ -56,6 +56,6 @@ namespace ops::cuda {
 struct Context;
 }
 // The kernel microbenchmarks (--ops), against the bandwidth `bw` (bytes/s) measured by run_bench.
-int run_ops_bench(const BenchArgs& args, double bw, ops::cuda::Context& ctx);
+int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Context& ctx);
 
 }  // namespace k3

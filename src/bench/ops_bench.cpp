@@ -72,14 +72,14 @@ DeviceBuffer random_buffer(size_t bytes, int kind, cudaStream_t s, uint64_t seed
 
 }  // namespace
 
-int run_ops_bench(const BenchArgs& args, double bw, ops::cuda::Context& ctx) {
+int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Context& ctx) {
   cudaStream_t s = reinterpret_cast<cudaStream_t>(ctx.stream);
   nlohmann::json records = nlohmann::json::array();
   auto record = [&](const std::string& op, const std::string& shape, double us, double bytes, nlohmann::json extra) {
     const double floor_us = bytes / bw * 1e6;
     nlohmann::json r = {{"op", op},       {"shape", shape},        {"us", us},
                         {"bytes", bytes}, {"floor_us", floor_us},  {"ratio", us / floor_us},
-                        {"pct_of_bw", 100 * floor_us / us},        {"hbm_gbps", bw / 1e9},
+                        {"pct_of_bw", 100 * floor_us / us},        {"hbm_gbps", bw / 1e9}, {"matrix_tflops", flops / 1e12},
                         {"commit", args.commit}};
     r.update(extra);
     records.push_back(r);
@@ -149,9 +149,12 @@ int run_ops_bench(const BenchArgs& args, double bw, ops::cuda::Context& ctx) {
                               scratch.get(), rows, 1, L, I, ops::SituParams{}));
       });
       const double bytes = n * expert_bytes;
-      fmt::print("  {:>2} experts x {:>2} rows: {:>9.1f} us, floor {:>7.1f} us, {:>5.0f}% of bandwidth\n", n, r, us,
-                 bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us);
-      record("moe_experts", fmt::format("{} experts x {} rows", n, r), us, bytes, {{"experts", n}, {"rows", r}});
+      const double mma_us = double(rows) * 6.0 * double(I) * double(L) / flops * 1e6;  // W1, W3, W2 products
+      fmt::print("  {:>2} experts x {:>2} rows: {:>9.1f} us, floor {:>7.1f} us, {:>5.0f}% of bandwidth; "
+                 "compute floor {:>6.1f} us\n",
+                 n, r, us, bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us, mma_us);
+      record("moe_experts", fmt::format("{} experts x {} rows", n, r), us, bytes,
+             {{"experts", n}, {"rows", r}, {"compute_floor_us", mma_us}});
     }
   }
 
