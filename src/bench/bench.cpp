@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 
@@ -27,27 +28,36 @@ double median(std::vector<double> v) {
 
 namespace {
 
+// Median seconds of `timed` eager runs of fn (which enqueues on s) after `warmup` untimed ones, each
+// between two events.
+double median_seconds(cudaStream_t s, int warmup, int timed, const std::function<void()>& fn) {
+  cudaEvent_t a, b;
+  CUDA_CHECK(cudaEventCreate(&a));
+  CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int i = 0; i < warmup + timed; ++i) {
+    CUDA_CHECK(cudaEventRecord(a, s));
+    fn();
+    CUDA_CHECK(cudaEventRecord(b, s));
+    CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (i >= warmup) t.push_back(ms * 1e-3);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(t);
+}
+
 // HBM read bandwidth (bytes/s): median of 20 reads of a 4 GiB buffer.
 double measure_bandwidth(cudaStream_t s, int sms) {
   const size_t bytes = size_t{4} << 30;
   DeviceBuffer buf(bytes), sink(64);
   CUDA_CHECK(cudaMemsetAsync(buf.get(), 1, bytes, s));
-  cudaEvent_t a, b;
-  CUDA_CHECK(cudaEventCreate(&a));
-  CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<double> t;
-  for (int i = 0; i < 23; ++i) {
-    CUDA_CHECK(cudaEventRecord(a, s));
+  const double sec = median_seconds(s, 3, 20, [&] {
     CUDA_CHECK(static_cast<cudaError_t>(bench::stream_read(buf.get(), bytes, sink.get<unsigned>(), sms, s)));
-    CUDA_CHECK(cudaEventRecord(b, s));
-    CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (i >= 3) t.push_back(ms * 1e-3);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return static_cast<double>(bytes) / median(t);
+  });
+  return static_cast<double>(bytes) / sec;
 }
 
 // Dense BF16 matrix rate (FLOP/s): cuBLASLt on 8192 x 8192 x 8192 (FP32 accumulation, BF16 out), random
@@ -58,23 +68,11 @@ double measure_matrix_rate(const ops::cuda::Context& ctx) {
   DeviceBuffer x(n * n * 2), w(n * n * 2), y(n * n * 2);
   CUDA_CHECK(static_cast<cudaError_t>(bench::fill(x.get(), n * n, 0, 0.0f, 0.05f, 21, s)));
   CUDA_CHECK(static_cast<cudaError_t>(bench::fill(w.get(), n * n, 0, 0.0f, 0.05f, 22, s)));
-  cudaEvent_t a, b;
-  CUDA_CHECK(cudaEventCreate(&a));
-  CUDA_CHECK(cudaEventCreate(&b));
-  std::vector<double> t;
-  for (int i = 0; i < 12; ++i) {
-    CUDA_CHECK(cudaEventRecord(a, s));
+  const double sec = median_seconds(s, 2, 10, [&] {
     CUDA_CHECK(static_cast<cudaError_t>(ops::cuda::linear_via(ctx, ops::cuda::LinearPath::CublasLt, x.get<bf16>(),
                                                               w.get<bf16>(), y.get(), false, n, n, n)));
-    CUDA_CHECK(cudaEventRecord(b, s));
-    CUDA_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-    if (i >= 2) t.push_back(ms * 1e-3);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return 2.0 * static_cast<double>(n) * n * n / median(t);
+  });
+  return 2.0 * static_cast<double>(n) * n * n / sec;
 }
 
 }  // namespace

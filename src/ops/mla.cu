@@ -292,6 +292,7 @@ struct AttendParams {
   int max_pages, page_size, max_sel, q_len, H, R, P;
   int max_len;       // upper bound of every row's length (max_ctx or max_sel)
   int rows_per_cta;  // query rows per CTA (<= kMaxRows); blockDim.x = kThreadsPerMT * ceil(rows_per_cta / 16)
+  int chunk;         // tile16 kernel only: entries per split (a multiple of its 32-entry tile)
   float scale;
 };
 
@@ -756,7 +757,6 @@ constexpr int kMRows = 16;    // query rows per CTA (one MMA M tile)
 constexpr int kPS = kBN + 8;  // row stride (elements) of the P tiles
 constexpr int kSS = kBN + 4;  // row stride (floats) of the score tile
 constexpr int kMaxNTW = 16;   // n8 tiles of R per warp: R <= 8 * 16 * 4 = 512
-constexpr int kMaxR = 8 * kMaxNTW * kAttWarps;
 constexpr int kMinChunkTiles = 4;     // a split covers at least 128 entries
 constexpr int kTargetCtas = 2 * 132;  // ~2 waves on an H200 (heuristic only)
 
@@ -764,28 +764,10 @@ static_assert(kAttThreads == kMRows * 8, "softmax mapping: 8 threads per row, 4 
 static_assert(kAttThreads == kBN * 4, "loader mapping: 4 threads per entry");
 static_assert(kBN == 8 * kAttWarps, "QK mapping: one n8 tile of entries per warp");
 
-__host__ __device__ inline int attend_ek16(int E) { return (E + 15) & ~15; }
-__host__ __device__ inline int attend_ek(int E) { return attend_ek16(E) + 8; }  // +16 B: conflict-free fragments
 inline size_t attend_smem_bytes(int E) {
-  const size_t ek = static_cast<size_t>(attend_ek(E));
+  const size_t ek = static_cast<size_t>(attend_es(E));
   return 2 * (kMRows * ek + 2 * kBN * ek + 2 * kMRows * kPS) + 4 * (kMRows * kSS + 3 * kMRows) + 4 * kMRows;
 }
-
-struct AttendParams {
-  const bf16raw* q_lat;    // [T, H, E]
-  const bf16raw* pool;     // [num_pages, page_size, E]
-  const int32_t* tables;   // [B, max_pages]
-  const int32_t* ctx_len;  // dense: [T]
-  const int32_t* sel;      // sparse: [T, max_sel]
-  const int32_t* sel_count;
-  float* o_out;    // [splits, T, H, R]
-  float* lse_out;  // [splits, T, H]
-  int64_t T;
-  int max_pages, page_size, max_sel, q_len, H, R, P;
-  int max_len;  // upper bound of every row's length (max_ctx or max_sel)
-  int chunk;    // entries per split (a multiple of kBN)
-  float scale;
-};
 
 struct SplitPlan {
   int splits;
@@ -803,24 +785,13 @@ SplitPlan plan_splits(int64_t ctas, int64_t max_len) {
   return {static_cast<int>((tiles + chunk_tiles - 1) / chunk_tiles), static_cast<int>(chunk_tiles * kBN)};
 }
 
-size_t partial_bytes(const SplitPlan& sp, int64_t T, int H, int R) {
-  if (sp.splits <= 1) return 0;
-  const size_t n = static_cast<size_t>(sp.splits) * static_cast<size_t>(T) * static_cast<size_t>(H);
-  return (n * static_cast<size_t>(R) + n) * sizeof(float);
-}
-
 __device__ __forceinline__ uint32_t ld_u32(const bf16raw* p) { return *reinterpret_cast<const uint32_t*>(p); }
-__device__ __forceinline__ uint32_t pack_u32(bf16raw lo, bf16raw hi) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) | (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
-}
-
-
 
 template <bool INDEXED>
 __global__ void __launch_bounds__(kAttThreads) mla_attend16_kernel(const AttendParams p) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int E = p.R + p.P;
-  const int ek16 = attend_ek16(E), ek = attend_ek(E);
+  const int ek16 = attend_ek16(E), ek = attend_es(E);
   bf16raw* Qs = reinterpret_cast<bf16raw*>(smem);            // [16][ek]
   bf16raw* Es = Qs + kMRows * ek;                            // [2][kBN][ek]
   bf16raw* Phi = Es + 2 * kBN * ek;                          // [16][kPS]
@@ -989,8 +960,8 @@ __global__ void __launch_bounds__(kAttThreads) mla_attend16_kernel(const AttendP
           const int nt = warp * ntw + i;
           if (i < ntw && nt < NT) {
             const int col = nt * 8 + g;
-            const uint32_t b0 = pack_u32(E0[col], E0[ek + col]);
-            const uint32_t b1 = pack_u32(E0[8 * ek + col], E0[9 * ek + col]);
+            const uint32_t b0 = pack_bf16(E0[col], E0[ek + col]);
+            const uint32_t b1 = pack_bf16(E0[8 * ek + col], E0[9 * ek + col]);
             mma_bf16_16816(acc[i], h0, h1, h2, h3, b0, b1);
             mma_bf16_16816(acc[i], l0, l1, l2, l3, b0, b1);
           }
@@ -1037,17 +1008,14 @@ __global__ void __launch_bounds__(kAttThreads) mla_attend16_kernel(const AttendP
 }
 
 
+// The caller (launch_attend below) has checked p.
 template <bool INDEXED>
-int launch_attend(AttendParams p, int64_t groups, int rows_per_group, void* scratch, size_t scratch_bytes, float* o_lat,
-                  float* lse, cudaStream_t stream) {
+int launch(AttendParams p, int64_t groups, int rows_per_group, void* scratch, size_t scratch_bytes, float* o_lat,
+           float* lse, cudaStream_t stream) {
   const int E = p.R + p.P;
-  if (p.H <= 0 || p.R <= 0 || p.R > kMaxR || p.P < 0 || E % 8 != 0 || p.page_size <= 0 || p.max_pages < 0 ||
-      p.max_len < 0 || p.T < 0 || groups > 65535 || !aligned16(p.q_lat) || !aligned16(p.pool))
-    return cudaErrorInvalidValue;
-  if (p.T == 0) return cudaSuccess;
   const int mtiles = (rows_per_group + kMRows - 1) / kMRows;
   const SplitPlan sp = plan_splits(groups * mtiles, p.max_len);
-  const size_t need = partial_bytes(sp, p.T, p.H, p.R);
+  const size_t need = partial_bytes(sp.splits, p.T, p.H, p.R);
   if (need > 0 && (scratch == nullptr || scratch_bytes < need)) return cudaErrorInvalidValue;
   float* o_parts = o_lat;
   float* lse_parts = lse;
@@ -1081,24 +1049,7 @@ int launch_attend(AttendParams p, int64_t groups, int rows_per_group, void* scra
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   if (rows_per_group <= 16 && groups >= kTile16MinGroups) {
-    tile16::AttendParams q{};
-    q.q_lat = p.q_lat;
-    q.pool = p.pool;
-    q.tables = p.tables;
-    q.ctx_len = p.ctx_len;
-    q.sel = p.sel;
-    q.sel_count = p.sel_count;
-    q.T = p.T;
-    q.max_pages = p.max_pages;
-    q.page_size = p.page_size;
-    q.max_sel = p.max_sel;
-    q.q_len = p.q_len;
-    q.H = p.H;
-    q.R = p.R;
-    q.P = p.P;
-    q.max_len = p.max_len;
-    q.scale = p.scale;
-    return tile16::launch_attend<INDEXED>(q, groups, rows_per_group, scratch, scratch_bytes, o_lat, lse, stream);
+    return tile16::launch<INDEXED>(p, groups, rows_per_group, scratch, scratch_bytes, o_lat, lse, stream);
   }
   const AttendShape sh = attend_shape(rows_per_group);
   const int splits = plan_splits(groups * sh.mctas, p.max_len, sh.rows_per_cta, p.R, E);

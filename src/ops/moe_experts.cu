@@ -10,12 +10,15 @@
 // W4A16: each lane loads 16 packed bytes (one 32-value scale group) of a weight row per 128-value
 // chunk and dequantizes them exactly to BF16 in registers (two E2M1 values per lookup in a shared-memory
 // table, times the E8M0 power of two: exact), so the tensor-core products are the exact dequantized
-// products; only the FP32 summation order differs from the CPU. A CTA is 4 warps, each owning one tile
-// of output rows over the whole K (one warp, one fixed order per output: deterministic); the 4 warps
-// take consecutive tiles of one expert, so they share the activations, which stream through a
-// shared-memory ring (cp.async) while the weights stream through registers one chunk ahead.
-// (Until 2026-12-02 the 4 warps split K and kept the activations in registers: 128-241 registers, 2-4
-// CTAs per SM, and at 24 pairs per pass a quarter of the HBM bandwidth.)
+// products; only the FP32 summation order differs from the CPU. Two kernels, by the mean pairs per
+// expert in use (one fixed summation order per output either way: deterministic):
+//   <= 4 (one 8-pair token tile per pass): moe_mma_splitk_kernel, 4 warps split K of one row tile and
+//     sum their partials in warp order through shared memory, so few experts still fill the GPU;
+//   more (2 or 3 tiles per pass): moe_mma_kernel<NT>, each warp owns one row tile over the whole K and
+//     the 4 warps take consecutive tiles of one expert, sharing the activations through a shared-memory
+//     ring (cp.async); split K kept the tiles' activations in registers (176-241 registers, a quarter
+//     of the HBM bandwidth at 24 pairs per pass).
+// Both stream the weights through registers one chunk ahead of use.
 #include <algorithm>
 
 #include "ops/cuda_bf16.cuh"

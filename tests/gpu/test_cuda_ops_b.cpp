@@ -563,7 +563,12 @@ INSTANTIATE_TEST_SUITE_P(
                       AttendCase{3, 2, 12, 512, 64, 64, {2, 100, 8192}},
                       AttendCase{2, 3, 8, 32, 8, 16, {3, 50}},      // tiny preset shapes
                       AttendCase{2, 2, 20, 64, 16, 16, {40, 300}},  // rows straddle M tiles
-                      AttendCase{1, 1, 5, 40, 8, 8, {777}}));       // R not a multiple of 16
+                      AttendCase{1, 1, 5, 40, 8, 8, {777}},         // R not a multiple of 16
+                      // From 8 requests of <= 16 rows on, the 16-row kernel (mla.cu, kTile16MinGroups); 7 stay
+                      // on the multi-row kernel.
+                      AttendCase{9, 1, 12, 512, 64, 64, {1, 17, 300, 1000, 2, 8192, 64, 65, 4000}},
+                      AttendCase{7, 1, 12, 512, 64, 64, {5, 900, 64, 1, 2000, 333, 8192}},
+                      AttendCase{8, 1, 5, 40, 8, 8, {777, 1, 30, 9, 100, 64, 5, 256}}));
 
 struct IndexedCase {
   int B, q, H, R, P, page_size, max_sel;
@@ -631,7 +636,11 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, MlaAttendIndexedCuda,
     ::testing::Values(IndexedCase{2, 2, 12, 512, 64, 64, 2048, {5000, 3000}, {2048, 17, 0, 2048}},  // K3.1 top-2048
                       IndexedCase{3, 1, 12, 512, 64, 64, 2048, {1, 700, 2048}, {2048, 2048, 2048}},
-                      IndexedCase{1, 3, 3, 32, 8, 16, 37, {60}, {37, 1, 20}}));  // tiny shapes
+                      IndexedCase{1, 3, 3, 32, 8, 16, 37, {60}, {37, 1, 20}},  // tiny shapes
+                      // 8 tokens and more: the 16-row kernel.
+                      IndexedCase{8, 1, 12, 512, 64, 64, 2048, {5000, 3000, 1, 700, 2048, 9000, 64, 2100},
+                                  {2048, 17, 1, 700, 0, 2048, 64, 2048}},
+                      IndexedCase{4, 2, 3, 32, 8, 16, 37, {60, 50, 40, 45}, {37, 1, 20, 0, 37, 37, 5, 36}}));
 
 // ---------------------------------------------------------------- DSA indexer + top-k
 
