@@ -21,8 +21,9 @@ fi
 export LD_LIBRARY_PATH="$bin:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader | tee "$out/machine.txt"
 status=0
-"$bin/k3_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|SKIPPED) |\[ gpu( parallel)? \]|tests ran" || true
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+# (PIPESTATUS is read in the same command list: after `|| true` it would hold true's status.)
+"$bin/k3_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" |
+  grep -E "^\[  (FAILED|PASSED|SKIPPED) |\[ gpu( parallel)? \]|tests ran"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 if [ -x "$bin/k3_comm_nccl_test" ] && command -v mpirun >/dev/null; then
   # The nccl backend, one process on the one GPU (more ranks need more GPUs: NCCL
   # refuses two ranks on one device).

@@ -85,158 +85,174 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
     records.push_back(r);
   };
 
+  K3_CHECK(args.ops_only.empty() || args.ops_only == "linear" || args.ops_only == "moe" ||
+               args.ops_only == "kda" || args.ops_only == "mla",
+           "bench: --ops-only takes linear, moe, kda or mla, not '{}'", args.ops_only);
+  auto want = [&](const char* section) { return args.ops_only.empty() || args.ops_only == section; };
+
   // 1. Projections: hand-written kernel vs cuBLASLt vs the chosen path.
-  fmt::print("\nprojections (per-rank K3 shapes, out x in), us per call and % of HBM bandwidth\n");
-  fmt::print("{:>12} {:>4} {:>9} {:>9} {:>9} {:>9} {:>7}\n", "out x in", "M", "kernel", "cublasLt", "auto", "floor",
-             "auto%");
-  const std::pair<int64_t, int64_t> shapes[] = {{6288, 7168}, {7168, 1536}, {2304, 1536}, {1536, 7168},
-                                                {3584, 7168}, {7168, 3584}, {896, 7168},  {6144, 7168},
-                                                {7168, 6144}, {33792, 7168}, {7168, 33792}};
-  const int Ms[] = {1, 2, 4, 8, 16, 32, 64};
-  for (auto [out, in] : shapes) {
-    DeviceBuffer w = random_buffer(out * in * 2, 0, s, 1), x = random_buffer(64 * in * 2, 0, s, 2),
-                 y(64 * out * 4);
-    for (int M : Ms) {
-      double t[3];
-      const cu::LinearPath paths[3] = {cu::LinearPath::Kernel, cu::LinearPath::CublasLt, cu::LinearPath::Auto};
-      for (int p = 0; p < 3; ++p)
-        t[p] = time_us(s, [&] {
-          K3_OK(cu::linear_via(ctx, paths[p], x.get<bf16>(), w.get<bf16>(), y.get(), false, M, in, out));
-        });
-      const double bytes = double(out) * in * 2 + double(M) * (in + out) * 2;
-      fmt::print("{:>6}x{:<5} {:>4} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>6.0f}%\n", out, in, M, t[0], t[1], t[2],
-                 bytes / bw * 1e6, 100 * bytes / bw * 1e6 / t[2]);
-      record("linear", fmt::format("{}x{} M{}", out, in, M), t[2], bytes,
-             {{"kernel_us", t[0]}, {"cublaslt_us", t[1]}, {"M", M}});
+  if (want("linear")) {
+    fmt::print("\nprojections (per-rank K3 shapes, out x in), us per call and % of HBM bandwidth\n");
+    fmt::print("{:>12} {:>4} {:>9} {:>9} {:>9} {:>9} {:>7}\n", "out x in", "M", "kernel", "cublasLt", "auto", "floor",
+               "auto%");
+    const std::pair<int64_t, int64_t> shapes[] = {{6288, 7168}, {7168, 1536}, {2304, 1536}, {1536, 7168},
+                                                  {3584, 7168}, {7168, 3584}, {896, 7168},  {6144, 7168},
+                                                  {7168, 6144}, {33792, 7168}, {7168, 33792}};
+    const int Ms[] = {1, 2, 4, 8, 16, 32, 64};
+    for (auto [out, in] : shapes) {
+      DeviceBuffer w = random_buffer(out * in * 2, 0, s, 1), x = random_buffer(64 * in * 2, 0, s, 2),
+                   y(64 * out * 4);
+      for (int M : Ms) {
+        double t[3];
+        const cu::LinearPath paths[3] = {cu::LinearPath::Kernel, cu::LinearPath::CublasLt, cu::LinearPath::Auto};
+        for (int p = 0; p < 3; ++p)
+          t[p] = time_us(s, [&] {
+            K3_OK(cu::linear_via(ctx, paths[p], x.get<bf16>(), w.get<bf16>(), y.get(), false, M, in, out));
+          });
+        const double bytes = double(out) * in * 2 + double(M) * (in + out) * 2;
+        fmt::print("{:>6}x{:<5} {:>4} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>6.0f}%\n", out, in, M, t[0], t[1], t[2],
+                   bytes / bw * 1e6, 100 * bytes / bw * 1e6 / t[2]);
+        record("linear", fmt::format("{}x{} M{}", out, in, M), t[2], bytes,
+               {{"kernel_us", t[0]}, {"cublaslt_us", t[1]}, {"M", M}});
+      }
     }
-  }
 
+  }
   // 2. Routed experts (MXFP4, 28 local experts of L 3584, I 3072), r rows per touched expert.
-  fmt::print("\nrouted experts: 28 local MXFP4 experts (3584 -> 3072 -> 3584), r rows on each of n experts\n");
-  {
-    const int64_t L = 3584, I = 3072, E = 28;
-    std::vector<DeviceBuffer> mats;
-    std::vector<const uint8_t*> ptrs[6];
-    for (int e = 0; e < E; ++e)
-      for (int j = 0; j < 3; ++j) {
-        const int64_t N = j == 2 ? L : I, K = j == 2 ? I : L;
-        mats.push_back(random_buffer(N * K / 2, 2, s, 10 + e * 3 + j));
-        ptrs[2 * j].push_back(mats.back().get<uint8_t>());
-        mats.push_back(random_buffer(N * K / 32, 3, s, 100 + e * 3 + j));
-        ptrs[2 * j + 1].push_back(mats.back().get<uint8_t>());
+  if (want("moe")) {
+    fmt::print("\nrouted experts: 28 local MXFP4 experts (3584 -> 3072 -> 3584), r rows on each of n experts\n");
+    {
+      const int64_t L = 3584, I = 3072, E = 28;
+      std::vector<DeviceBuffer> mats;
+      std::vector<const uint8_t*> ptrs[6];
+      for (int e = 0; e < E; ++e)
+        for (int j = 0; j < 3; ++j) {
+          const int64_t N = j == 2 ? L : I, K = j == 2 ? I : L;
+          mats.push_back(random_buffer(N * K / 2, 2, s, 10 + e * 3 + j));
+          ptrs[2 * j].push_back(mats.back().get<uint8_t>());
+          mats.push_back(random_buffer(N * K / 32, 3, s, 100 + e * 3 + j));
+          ptrs[2 * j + 1].push_back(mats.back().get<uint8_t>());
+        }
+      std::vector<DeviceBuffer> tables;
+      const uint8_t* const* dev[6];
+      for (int j = 0; j < 6; ++j) {
+        tables.emplace_back(E * sizeof(void*));
+        CUDA_CHECK(cudaMemcpy(tables.back().get(), ptrs[j].data(), E * sizeof(void*), cudaMemcpyHostToDevice));
+        dev[j] = tables.back().get<const uint8_t* const>();
       }
-    std::vector<DeviceBuffer> tables;
-    const uint8_t* const* dev[6];
-    for (int j = 0; j < 6; ++j) {
-      tables.emplace_back(E * sizeof(void*));
-      CUDA_CHECK(cudaMemcpy(tables.back().get(), ptrs[j].data(), E * sizeof(void*), cudaMemcpyHostToDevice));
-      dev[j] = tables.back().get<const uint8_t* const>();
-    }
-    const cu::Mxfp4ExpertTable table{dev[0], dev[1], dev[2], dev[3], dev[4], dev[5]};
-    const double expert_bytes = 3.0 * (I * L / 2 + I * L / 32);
-    for (auto [n, r] : std::vector<std::pair<int, int>>{{2, 1}, {16, 1}, {28, 1}, {28, 2}, {28, 4}, {28, 8}, {28, 16},
-                                                       {28, 32}, {28, 64}}) {
-      const int64_t rows = int64_t{n} * r;
-      std::vector<int32_t> idx(static_cast<size_t>(rows));
-      for (int64_t i = 0; i < rows; ++i) idx[i] = static_cast<int32_t>(i % n);
-      std::vector<float> wts(static_cast<size_t>(rows), 1.0f);
-      DeviceBuffer d_idx(rows * 4), d_w(rows * 4), z = random_buffer(rows * L * 2, 0, s, 3), y(rows * L * 2);
-      CUDA_CHECK(cudaMemcpy(d_idx.get(), idx.data(), rows * 4, cudaMemcpyHostToDevice));
-      CUDA_CHECK(cudaMemcpy(d_w.get(), wts.data(), rows * 4, cudaMemcpyHostToDevice));
-      DeviceBuffer scratch(cu::moe_experts_scratch_bytes(rows, 1, L, I));
-      const double us = time_us(s, [&] {
-        K3_OK(cu::moe_experts(ctx, z.get<bf16>(), d_idx.get<int32_t>(), d_w.get<float>(), table, 0, E, y.get<bf16>(),
-                              scratch.get(), rows, 1, L, I, ops::SituParams{}));
-      });
-      const double bytes = n * expert_bytes;
-      const double mma_us = double(rows) * 6.0 * double(I) * double(L) / flops * 1e6;  // W1, W3, W2 products
-      fmt::print("  {:>2} experts x {:>2} rows: {:>9.1f} us, floor {:>7.1f} us, {:>5.0f}% of bandwidth; "
-                 "compute floor {:>6.1f} us\n",
-                 n, r, us, bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us, mma_us);
-      record("moe_experts", fmt::format("{} experts x {} rows", n, r), us, bytes,
-             {{"experts", n}, {"rows", r}, {"compute_floor_us", mma_us}});
-    }
-  }
-
-  // 3. KDA recurrence: 12 heads of 128 x 128 FP32 state per request, q tokens.
-  fmt::print("\nKDA recurrence (12 heads, d 128): state read once, one history row written per token\n");
-  {
-    const int H = 12, d = 128, maxB = 64, maxq = 8;
-    const int64_t C = int64_t{H} * d, state = int64_t{H} * d * d;
-    DeviceBuffer pool = random_buffer(maxB * state * 4, 1, s, 4), hist(int64_t{maxB} * maxq * state * 4);
-    DeviceBuffer q = random_buffer(maxB * maxq * C * 4, 1, s, 5), k = random_buffer(maxB * maxq * C * 4, 1, s, 6);
-    DeviceBuffer v = random_buffer(maxB * maxq * C * 2, 0, s, 7), g = random_buffer(maxB * maxq * C * 4, 1, s, 8);
-    DeviceBuffer beta = random_buffer(maxB * maxq * H * 4, 1, s, 9), o(maxB * maxq * C * 4), slots(maxB * 4);
-    std::vector<int32_t> sl(maxB);
-    for (int b = 0; b < maxB; ++b) sl[b] = b;
-    CUDA_CHECK(cudaMemcpy(slots.get(), sl.data(), maxB * 4, cudaMemcpyHostToDevice));
-    for (int B : {1, 8, 64})
-      for (int qq : {1, 2, 4, 8}) {
+      const cu::Mxfp4ExpertTable table{dev[0], dev[1], dev[2], dev[3], dev[4], dev[5]};
+      const double expert_bytes = 3.0 * (I * L / 2 + I * L / 32);
+      for (auto [n, r] : std::vector<std::pair<int, int>>{{2, 1}, {16, 1}, {28, 1}, {28, 2}, {28, 4}, {28, 8}, {28, 16},
+                                                         {28, 32}, {28, 64}}) {
+        const int64_t rows = int64_t{n} * r;
+        std::vector<int32_t> idx(static_cast<size_t>(rows));
+        for (int64_t i = 0; i < rows; ++i) idx[i] = static_cast<int32_t>(i % n);
+        std::vector<float> wts(static_cast<size_t>(rows), 1.0f);
+        DeviceBuffer d_idx(rows * 4), d_w(rows * 4), z = random_buffer(rows * L * 2, 0, s, 3), y(rows * L * 2);
+        CUDA_CHECK(cudaMemcpy(d_idx.get(), idx.data(), rows * 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(d_w.get(), wts.data(), rows * 4, cudaMemcpyHostToDevice));
+        DeviceBuffer scratch(cu::moe_experts_scratch_bytes(rows, 1, L, I));
         const double us = time_us(s, [&] {
-          K3_OK(cu::kda_recurrence(q.get<float>(), k.get<float>(), v.get<bf16>(), g.get<float>(), beta.get<float>(),
-                                   pool.get<float>(), hist.get<float>(), slots.get<int32_t>(), o.get<float>(), B, qq,
-                                   maxq, H, d, d, s));
+          K3_OK(cu::moe_experts(ctx, z.get<bf16>(), d_idx.get<int32_t>(), d_w.get<float>(), table, 0, E, y.get<bf16>(),
+                                scratch.get(), rows, 1, L, I, ops::SituParams{}));
         });
-        const double bytes = double(B) * state * 4 * (1 + qq);
-        fmt::print("  B {:>2} q {}: {:>8.1f} us, floor {:>7.1f} us, {:>5.0f}%\n", B, qq, us, bytes / bw * 1e6,
-                   100 * bytes / bw * 1e6 / us);
-        record("kda_recurrence", fmt::format("B{} q{}", B, qq), us, bytes, {{"B", B}, {"q", qq}});
+        const double bytes = n * expert_bytes;
+        const double mma_us = double(rows) * 6.0 * double(I) * double(L) / flops * 1e6;  // W1, W3, W2 products
+        fmt::print("  {:>2} experts x {:>2} rows: {:>9.1f} us, floor {:>7.1f} us, {:>5.0f}% of bandwidth; "
+                   "compute floor {:>6.1f} us\n",
+                   n, r, us, bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us, mma_us);
+        record("moe_experts", fmt::format("{} experts x {} rows", n, r), us, bytes,
+               {{"experts", n}, {"rows", r}, {"compute_floor_us", mma_us}});
       }
-  }
+    }
 
+  }
+  // 3. KDA recurrence: 12 heads of 128 x 128 FP32 state per request, q tokens.
+  if (want("kda")) {
+    fmt::print("\nKDA recurrence (12 heads, d 128): state read once, one history row written per token\n");
+    {
+      const int H = 12, d = 128, maxB = 64, maxq = 8;
+      const int64_t C = int64_t{H} * d, state = int64_t{H} * d * d;
+      DeviceBuffer pool = random_buffer(maxB * state * 4, 1, s, 4), hist(int64_t{maxB} * maxq * state * 4);
+      DeviceBuffer q = random_buffer(maxB * maxq * C * 4, 1, s, 5), k = random_buffer(maxB * maxq * C * 4, 1, s, 6);
+      DeviceBuffer v = random_buffer(maxB * maxq * C * 2, 0, s, 7), g = random_buffer(maxB * maxq * C * 4, 1, s, 8);
+      DeviceBuffer beta = random_buffer(maxB * maxq * H * 4, 1, s, 9), o(maxB * maxq * C * 4), slots(maxB * 4);
+      std::vector<int32_t> sl(maxB);
+      for (int b = 0; b < maxB; ++b) sl[b] = b;
+      CUDA_CHECK(cudaMemcpy(slots.get(), sl.data(), maxB * 4, cudaMemcpyHostToDevice));
+      for (int B : {1, 8, 64})
+        for (int qq : {1, 2, 4, 8}) {
+          const double us = time_us(s, [&] {
+            K3_OK(cu::kda_recurrence(q.get<float>(), k.get<float>(), v.get<bf16>(), g.get<float>(), beta.get<float>(),
+                                     pool.get<float>(), hist.get<float>(), slots.get<int32_t>(), o.get<float>(), B, qq,
+                                     maxq, H, d, d, s));
+          });
+          const double bytes = double(B) * state * 4 * (1 + qq);
+          fmt::print("  B {:>2} q {}: {:>8.1f} us, floor {:>7.1f} us, {:>5.0f}%\n", B, qq, us, bytes / bw * 1e6,
+                     100 * bytes / bw * 1e6 / us);
+          record("kda_recurrence", fmt::format("B{} q{}", B, qq), us, bytes, {{"B", B}, {"q", qq}});
+        }
+    }
+
+  }
   // 4. MLA decode over the paged latent cache, and DSA (indexer scores + top-k + sparse MLA).
-  fmt::print("\nMLA / DSA decode (12 heads, 576-value latent entries, page 64), q = 1\n");
-  for (int64_t ctxlen : {int64_t{8192}, int64_t{65536}}) {
-    const int H = 12, R = 512, P = 64, E = R + P, page = 64, Hi = 32, Di = 128, topk = 2048;
-    for (int B : {1, 8, 32}) {
-      const int64_t pages_per = ctxlen / page, pages = B * pages_per;
-      DeviceBuffer kv = random_buffer(pages * page * E * 2, 0, s, 11), keys = random_buffer(pages * page * Di * 2, 0, s, 12);
-      std::vector<int32_t> tables(static_cast<size_t>(pages)), ctxv(B, static_cast<int32_t>(ctxlen));
-      for (int64_t i = 0; i < pages; ++i) tables[i] = static_cast<int32_t>((i * 7919) % pages);  // scattered pages
-      DeviceBuffer d_tables(pages * 4), d_ctx(B * 4);
-      CUDA_CHECK(cudaMemcpy(d_tables.get(), tables.data(), pages * 4, cudaMemcpyHostToDevice));
-      CUDA_CHECK(cudaMemcpy(d_ctx.get(), ctxv.data(), B * 4, cudaMemcpyHostToDevice));
-      DeviceBuffer qlat = random_buffer(int64_t{B} * H * E * 2, 0, s, 13), olat(int64_t{B} * H * R * 4), lse(B * H * 4);
-      const size_t sb = cu::mla_attend_paged_scratch_bytes(B, 1, H, R, static_cast<int>(ctxlen));
-      DeviceBuffer scratch(std::max<size_t>(sb, 256));
-      const float scale = 0.0722f;
-      const double us = time_us(s, [&] {
-        K3_OK(cu::mla_attend_paged(qlat.get<bf16>(), kv.get<bf16>(), d_tables.get<int32_t>(),
-                                   static_cast<int>(pages_per), page, d_ctx.get<int32_t>(), B, 1,
-                                   static_cast<int>(ctxlen), H, R, P, scale, olat.get<float>(), lse.get<float>(),
-                                   scratch.get(), sb, s));
-      });
-      const double bytes = double(B) * ctxlen * E * 2;
-      fmt::print("  MLA ctx {:>6} B {:>2}: {:>8.1f} us, floor {:>7.1f} us, {:>5.0f}%\n", ctxlen, B, us,
-                 bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us);
-      record("mla_attend", fmt::format("ctx{} B{}", ctxlen, B), us, bytes, {{"context", ctxlen}, {"B", B}});
-      // DSA: scores over every cached key, top-2048, attention over the selection.
-      DeviceBuffer qi = random_buffer(int64_t{B} * Hi * Di * 2, 0, s, 14), wi = random_buffer(B * Hi * 4, 1, s, 15);
-      DeviceBuffer scores(int64_t{B} * ctxlen * 4), sel(int64_t{B} * topk * 4), cnt(B * 4);
-      const size_t sbi = cu::mla_attend_indexed_scratch_bytes(B, H, R, topk);
-      DeviceBuffer scratch_i(std::max<size_t>(sbi, 256));
-      const double t_scores = time_us(s, [&] {
-        K3_OK(cu::dsa_index_scores_paged(qi.get<bf16>(), wi.get<float>(), keys.get<bf16>(), d_tables.get<int32_t>(),
-                                         static_cast<int>(pages_per), page, d_ctx.get<int32_t>(), B, 1,
-                                         static_cast<int>(ctxlen), Hi, Di, scores.get<float>(), s));
-      });
-      const double t_topk = time_us(s, [&] {
-        K3_OK(cu::topk_indices(scores.get<float>(), ctxlen, d_ctx.get<int32_t>(), B, topk, sel.get<int32_t>(),
-                               cnt.get<int32_t>(), s));
-      });
-      const double t_sparse = time_us(s, [&] {
-        K3_OK(cu::mla_attend_indexed(qlat.get<bf16>(), kv.get<bf16>(), d_tables.get<int32_t>(),
-                                     static_cast<int>(pages_per), page, sel.get<int32_t>(), cnt.get<int32_t>(), topk,
-                                     B, 1, H, R, P, scale, olat.get<float>(), lse.get<float>(), scratch_i.get(), sbi,
-                                     s));
-      });
-      const double dbytes = double(B) * (ctxlen * Di * 2 + topk * E * 2);
-      const double dus = t_scores + t_topk + t_sparse;
-      fmt::print("  DSA ctx {:>6} B {:>2}: scores {:.1f} + top-k {:.1f} + sparse MLA {:.1f} = {:>8.1f} us, floor {:>7.1f} us, "
-                 "{:>5.0f}%\n",
-                 ctxlen, B, t_scores, t_topk, t_sparse, dus, dbytes / bw * 1e6, 100 * dbytes / bw * 1e6 / dus);
-      record("dsa_decode", fmt::format("ctx{} B{}", ctxlen, B), dus, dbytes,
-             {{"context", ctxlen}, {"B", B}, {"scores_us", t_scores}, {"topk_us", t_topk}, {"sparse_us", t_sparse}});
+  if (want("mla")) {
+    fmt::print("\nMLA / DSA decode (12 heads, 576-value latent entries, page 64), q = 1\n");
+    for (int64_t ctxlen : {int64_t{8192}, int64_t{65536}}) {
+      const int H = 12, R = 512, P = 64, E = R + P, page = 64, Hi = 32, Di = 128, topk = 2048;
+      for (int B : {1, 8, 32}) {
+        const int64_t pages_per = ctxlen / page, pages = B * pages_per;
+        DeviceBuffer kv = random_buffer(pages * page * E * 2, 0, s, 11),
+                     keys = random_buffer(pages * page * Di * 2, 0, s, 12);
+        std::vector<int32_t> tables(static_cast<size_t>(pages)), ctxv(B, static_cast<int32_t>(ctxlen));
+        for (int64_t i = 0; i < pages; ++i) tables[i] = static_cast<int32_t>((i * 7919) % pages);  // scattered pages
+        DeviceBuffer d_tables(pages * 4), d_ctx(B * 4);
+        CUDA_CHECK(cudaMemcpy(d_tables.get(), tables.data(), pages * 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(d_ctx.get(), ctxv.data(), B * 4, cudaMemcpyHostToDevice));
+        DeviceBuffer qlat = random_buffer(int64_t{B} * H * E * 2, 0, s, 13), olat(int64_t{B} * H * R * 4),
+                     lse(B * H * 4);
+        const size_t sb = cu::mla_attend_paged_scratch_bytes(B, 1, H, R, static_cast<int>(ctxlen));
+        DeviceBuffer scratch(std::max<size_t>(sb, 256));
+        const float scale = 0.0722f;
+        const double us = time_us(s, [&] {
+          K3_OK(cu::mla_attend_paged(qlat.get<bf16>(), kv.get<bf16>(), d_tables.get<int32_t>(),
+                                     static_cast<int>(pages_per), page, d_ctx.get<int32_t>(), B, 1,
+                                     static_cast<int>(ctxlen), H, R, P, scale, olat.get<float>(), lse.get<float>(),
+                                     scratch.get(), sb, s));
+        });
+        const double bytes = double(B) * ctxlen * E * 2;
+        fmt::print("  MLA ctx {:>6} B {:>2}: {:>8.1f} us, floor {:>7.1f} us, {:>5.0f}%\n", ctxlen, B, us,
+                   bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us);
+        record("mla_attend", fmt::format("ctx{} B{}", ctxlen, B), us, bytes, {{"context", ctxlen}, {"B", B}});
+        // DSA: scores over every cached key, top-2048, attention over the selection.
+        DeviceBuffer qi = random_buffer(int64_t{B} * Hi * Di * 2, 0, s, 14), wi = random_buffer(B * Hi * 4, 1, s, 15);
+        DeviceBuffer scores(int64_t{B} * ctxlen * 4), sel(int64_t{B} * topk * 4), cnt(B * 4);
+        const size_t sbi = cu::mla_attend_indexed_scratch_bytes(B, H, R, topk);
+        DeviceBuffer scratch_i(std::max<size_t>(sbi, 256));
+        const double t_scores = time_us(s, [&] {
+          K3_OK(cu::dsa_index_scores_paged(qi.get<bf16>(), wi.get<float>(), keys.get<bf16>(), d_tables.get<int32_t>(),
+                                           static_cast<int>(pages_per), page, d_ctx.get<int32_t>(), B, 1,
+                                           static_cast<int>(ctxlen), Hi, Di, scores.get<float>(), s));
+        });
+        const double t_topk = time_us(s, [&] {
+          K3_OK(cu::topk_indices(scores.get<float>(), ctxlen, d_ctx.get<int32_t>(), B, topk, sel.get<int32_t>(),
+                                 cnt.get<int32_t>(), s));
+        });
+        const double t_sparse = time_us(s, [&] {
+          K3_OK(cu::mla_attend_indexed(qlat.get<bf16>(), kv.get<bf16>(), d_tables.get<int32_t>(),
+                                       static_cast<int>(pages_per), page, sel.get<int32_t>(), cnt.get<int32_t>(), topk,
+                                       B, 1, H, R, P, scale, olat.get<float>(), lse.get<float>(), scratch_i.get(), sbi,
+                                       s));
+        });
+        const double dbytes = double(B) * (ctxlen * Di * 2 + topk * E * 2);
+        const double dus = t_scores + t_topk + t_sparse;
+        fmt::print("  DSA ctx {:>6} B {:>2}: scores {:.1f} + top-k {:.1f} + sparse MLA {:.1f} = {:>8.1f} us, "
+                   "floor {:>7.1f} us, "
+                   "{:>5.0f}%\n",
+                   ctxlen, B, t_scores, t_topk, t_sparse, dus, dbytes / bw * 1e6, 100 * dbytes / bw * 1e6 / dus);
+        record("dsa_decode", fmt::format("ctx{} B{}", ctxlen, B), dus, dbytes,
+               {{"context", ctxlen}, {"B", B}, {"scores_us", t_scores}, {"topk_us", t_topk}, {"sparse_us", t_sparse}});
+      }
     }
   }
   if (!args.json.empty()) {
