@@ -8,12 +8,14 @@
 //   down:    per (slot, 32 rows of L): o[pair] = bf16(W2 h[pair]);
 //   combine: y[r, i] = bf16(sum_j w[r, j] o[(r, j), i]) over the local j in order, unfused FP32 as the CPU.
 // W4A16: each lane loads 16 packed bytes (one 32-value scale group) of a weight row per 128-value
-// chunk and dequantizes them exactly to BF16 in registers (two E2M1 values per lookup in a shared-memory
-// table, times the E8M0 power of two: exact), so the tensor-core products are the exact dequantized
-// products; only the FP32 summation order differs from the CPU. Two kernels, by the mean pairs per
-// expert in use (one fixed summation order per output either way: deterministic):
+// chunk and dequantizes them exactly to BF16 in registers (two E2M1 values per lookup in a 64 KiB
+// shared-memory table, one byte permute and one load per lookup, times the E8M0 power of two: exact;
+// the kernels' other shared data lives in the table's unused halves), so the tensor-core products are
+// the exact dequantized products; only the FP32 summation order differs from the CPU. Two kernels, by
+// the mean pairs per expert in use (one fixed summation order per output either way: deterministic):
 //   <= 4 (one 8-pair token tile per pass): moe_mma_splitk_kernel, 4 warps split K of one row tile and
-//     sum their partials in warp order through shared memory, so few experts still fill the GPU;
+//     sum their partials in warp order through shared memory, so few experts still fill the GPU (a CTA
+//     is two such teams sharing the table);
 //   more (2 or 3 tiles per pass): moe_mma_kernel<NT>, each warp owns one row tile over the whole K and
 //     the 4 warps take consecutive tiles of one expert, sharing the activations through a shared-memory
 //     ring (cp.async); split K kept the tiles' activations in registers (176-241 registers, a quarter
@@ -129,10 +131,16 @@ constexpr int kStages = 3;    // activation chunks staged ahead (cp.async ring)
 
 // E2M1 decoding by table: a byte (two E2M1 nibbles, low nibble first) -> BF16x2 (the low nibble's value
 // in the low half), exact: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 as BF16, the nibble's bit 3 as the sign.
-// The 256 entries live in shared memory with one copy per lane ([entry][lane]: lane l always reads bank l,
-// so lookups never conflict); one lookup decodes two values with a byte extract and a load, where bit
-// manipulation took ~20 integer instructions per 8 values (integer issue was the kernel's limit).
+// The 256 entries live in shared memory with one copy per lane: row b (256 bytes) holds entry b in words
+// 0..31, word l read only by lane l (bank l: lookups never conflict). One lookup decodes two values with
+// one byte permute (byte p of the weights next to the lane's 4 l: the row offset b * 256 + 4 l) and one
+// load, the table's address being the load's immediate. (Bit manipulation took ~20 integer instructions
+// per 8 values; a 128-byte row needed a shift and a LOP3 per lookup: 8 instructions per 2 values in all.)
+// Words 32..63 of the rows (32 KiB, "the holes") hold each kernel's other shared data: 128-byte pieces,
+// piece i at byte 256 i + 128 of the kernel's dynamic shared memory.
 constexpr int kLutEntries = 256;
+constexpr int kLutRowBytes = 256;
+constexpr size_t kLutBytes = size_t{kLutEntries} * kLutRowBytes;  // 64 KiB: the kernels' dynamic shared memory
 
 __device__ __forceinline__ uint32_t e2m1_bits(uint32_t nibble) {
   const uint32_t c = nibble & 7;  // BF16 of 0, .5, 1, 1.5, 2, 3, 4, 6: 0000 3F00 3F80 3FC0 4000 4040 4080 40C0
@@ -144,32 +152,46 @@ __device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t byte) {
   return e2m1_bits(byte & 15) | (e2m1_bits(byte >> 4) << 16);
 }
 
+// Every thread of the CTA fills the table at the start of its dynamic shared memory, then one barrier.
+__device__ __forceinline__ void fill_lut(unsigned char* smem) {
+  for (int i = threadIdx.x; i < kLutEntries * kWarp; i += blockDim.x)
+    *reinterpret_cast<uint32_t*>(smem + (i / kWarp) * kLutRowBytes + 4 * (i % kWarp)) =
+        e2m1_pair_bits(static_cast<uint32_t>(i / kWarp));
+  __syncthreads();
+}
+
+// Byte offset of byte o of a kernel's hole data (o < 32 KiB).
+__host__ __device__ constexpr uint32_t hole_offset(uint32_t o) {
+  return (o >> 7) * kLutRowBytes + 128 + (o & 127);
+}
+
+// A 32-bit load from the shared-memory address base + off, base the table's (a constant of the kernel, so
+// the compiler folds it into the load's immediate: one permute and one load per lookup).
+__device__ __forceinline__ uint32_t lds_u32(uint32_t base, uint32_t off) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(base + off));
+  return v;
+}
+
 // 8 E2M1 nibbles of w (nibble i = value i) -> 4 BF16x2 words (word p = values 2p, 2p+1), from the lane's
-// column of the table (lut: the table; lane4 = 4 * lane, the column's byte offset; entries are 128 bytes
-// apart): byte p of w lands at bits 7..14 of the offset with one shift, the lane's column ORs in
-// (one LOP3), and the table's own address is the load's immediate.
-__device__ __forceinline__ void e2m1x8_to_bf16x8(const uint32_t (*lut)[kWarp], uint32_t lane4, uint32_t w,
-                                                 uint32_t (&out)[4]) {
-  const char* t = reinterpret_cast<const char*>(&lut[0][0]);
-  out[0] = *reinterpret_cast<const uint32_t*>(t + (((w << 7) & 0x7F80u) | lane4));
-  out[1] = *reinterpret_cast<const uint32_t*>(t + (((w >> 1) & 0x7F80u) | lane4));
-  out[2] = *reinterpret_cast<const uint32_t*>(t + (((w >> 9) & 0x7F80u) | lane4));
-  out[3] = *reinterpret_cast<const uint32_t*>(t + (((w >> 17) & 0x7F80u) | lane4));
+// column of the table (lut: the table's shared-memory address; lane4 = 4 * lane, the column's byte
+// offset): the permute puts lane4 in byte 0 and byte p of w in byte 1 of the offset (selector nibbles 4,
+// p, 5, 5; byte 5 is lane4's zero byte 1).
+__device__ __forceinline__ void e2m1x8_to_bf16x8(uint32_t lut, uint32_t lane4, uint32_t w, uint32_t (&out)[4]) {
+  out[0] = lds_u32(lut, __byte_perm(w, lane4, 0x5504u));
+  out[1] = lds_u32(lut, __byte_perm(w, lane4, 0x5514u));
+  out[2] = lds_u32(lut, __byte_perm(w, lane4, 0x5524u));
+  out[3] = lds_u32(lut, __byte_perm(w, lane4, 0x5534u));
 }
 
-// E8M0 scale byte -> 2^(s - 127) as BF16x2 (both halves): s << 7 is that BF16 for s in 1..255 (255: inf,
-// as ldexp on the CPU); s = 0 is the subnormal 2^-127.
-__device__ __forceinline__ __nv_bfloat162 e8m0_bf16x2(uint32_t s) {
-  const uint32_t b = s == 0 ? 0x0040u : (s << 7);
-  const uint32_t w = b | (b << 16);
-  return *reinterpret_cast<const __nv_bfloat162*>(&w);
-}
-
-// A scale slot of a lane group past K: the decoded values are multiplied by zero.
+// E8M0 scale byte s -> 2^(s - 127) as BF16x2 (both halves): s << 7 is that BF16 for s in 1..255 (255:
+// inf, as ldexp on the CPU); s = 0 is the subnormal 2^-127. kNoScale (the scale slot of a lane group past
+// K) gives zero: the decoded values are multiplied by zero.
 constexpr uint32_t kNoScale = 0xFFFFFFFFu;
 __device__ __forceinline__ __nv_bfloat162 e8m0_or_zero(uint32_t s) {
-  const uint32_t z = 0u;
-  return s == kNoScale ? *reinterpret_cast<const __nv_bfloat162*>(&z) : e8m0_bf16x2(s);
+  const uint32_t b = max(s << 7, 0x0040u);  // s >= 1: s << 7 (>= 0x80); s = 0: 0x40
+  const uint32_t w = s == kNoScale ? 0u : b * 0x10001u;
+  return *reinterpret_cast<const __nv_bfloat162*>(&w);
 }
 
 __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t v, __nv_bfloat162 s) {
@@ -209,22 +231,36 @@ using detail::mma_bf16_16816;
 // for weight rows g and g + 8 of each A operand, and the same 32 activation values of token g of each
 // token tile. mma step s in 0..7 takes values 4s..4s+3 of those 32 as its k slots {2t, 2t+1, 2t+8, 2t+9}
 // for A and B alike: a sum over k is order-free, so any consistent assignment is the same product.
+// A CTA is kSplitTeams teams of kWarps warps sharing the table (so two teams per SM reach 16 warps with
+// the 64 KiB table); each team walks its own item range as a virtual CTA, with its own named barrier.
+constexpr int kSplitTeams = 2;
+constexpr int kSplitThreads = kSplitTeams * kMmaThreads;
+
+__device__ __forceinline__ void team_sync(int team) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + team), "n"(kMmaThreads) : "memory");
+}
+
 template <bool UP>
-__global__ void __launch_bounds__(kMmaThreads)
+__global__ void __launch_bounds__(kSplitThreads, 2)
     moe_mma_splitk_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
                    int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
   constexpr int NT = 1;
   constexpr int kAcc = 2 * NT * 4;  // two A operands x NT token tiles x 4 accumulators per lane
-  __shared__ float part[kWarps][kAcc][kWarp];
-  __shared__ uint32_t lut[kLutEntries][kWarp];  // 32 KiB
-  for (int i = threadIdx.x; i < kLutEntries * kWarp; i += kMmaThreads)
-    lut[i / kWarp][i % kWarp] = e2m1_pair_bits(static_cast<uint32_t>(i / kWarp));
-  __syncthreads();
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
+  // The table; holes: part [kSplitTeams][kWarps][kAcc][kWarp] FP32.
+  extern __shared__ __align__(16) unsigned char lut[];
+  fill_lut(lut);
+  const uint32_t lut_s = static_cast<uint32_t>(__cvta_generic_to_shared(lut));
+  const int team = static_cast<int>(threadIdx.x) / kMmaThreads, ttid = static_cast<int>(threadIdx.x) % kMmaThreads;
+  auto part = [&](int w, int i, int ln) -> float& {
+    return *reinterpret_cast<float*>(
+        lut + hole_offset(4u * static_cast<uint32_t>(((team * kWarps + w) * kAcc + i) * kWarp + ln)));
+  };
+  const int warp = ttid / kWarp, lane = ttid % kWarp, g = lane >> 2, t = lane & 3;
   const uint32_t lane4 = 4u * static_cast<uint32_t>(lane);
   const int64_t items = static_cast<int64_t>(*plan.n_active) * tiles_per_slot;
-  const int64_t per = (items + gridDim.x - 1) / gridDim.x;
-  const int64_t i_begin = static_cast<int64_t>(blockIdx.x) * per, i_end = min(items, i_begin + per);
+  const int64_t vctas = int64_t{gridDim.x} * kSplitTeams, vcta = int64_t{blockIdx.x} * kSplitTeams + team;
+  const int64_t per = (items + vctas - 1) / vctas;
+  const int64_t i_begin = vcta * per, i_end = min(items, i_begin + per);
   const int64_t chunks = (K + kChunkK - 1) / kChunkK, wchunks = (chunks + kWarps - 1) / kWarps;
   const int64_t c_begin = min(chunks, warp * wchunks), c_end = min(chunks, c_begin + wchunks);
   const int64_t row_bytes = K / 2, row_scales = K / 32;
@@ -298,7 +334,7 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const uint4 v = u.q[m][h];
-              e2m1x8_to_bf16x8(lut, lane4, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[m][h]);
+              e2m1x8_to_bf16x8(lut_s, lane4, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[m][h]);
               const __nv_bfloat162 sc = e8m0_or_zero(u.s[m][h]);
 #pragma unroll
               for (int p = 0; p < 4; ++p) a[m][h][p] = scale_bf16x2(a[m][h][p], sc);
@@ -333,10 +369,10 @@ __global__ void __launch_bounds__(kMmaThreads)
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) part[warp][(m * NT + j) * 4 + i][lane] = acc[m][j][i];
-      __syncthreads();
+          for (int i = 0; i < 4; ++i) part(warp, (m * NT + j) * 4 + i, lane) = acc[m][j][i];
+      team_sync(team);
       constexpr int kOut = (UP ? 1 : 2) * NT * 4 * kWarp;  // output values of the item (UP: pairs of W1, W3)
-      for (int o = threadIdx.x; o < kOut; o += kMmaThreads) {
+      for (int o = ttid; o < kOut; o += kMmaThreads) {
         const int ln = o % kWarp, i = (o / kWarp) % 4, j = (o / (4 * kWarp)) % NT, m = o / (4 * kWarp * NT);
         if (j >= nt) continue;
         const int tok = t0 + kTokTile * j + 2 * (ln & 3) + (i & 1);
@@ -346,13 +382,13 @@ __global__ void __launch_bounds__(kMmaThreads)
         float s0 = 0.f, s1 = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) {
-          s0 += part[w][(m * NT + j) * 4 + i][ln];
-          if (UP) s1 += part[w][(NT + j) * 4 + i][ln];
+          s0 += part(w, (m * NT + j) * 4 + i, ln);
+          if (UP) s1 += part(w, (NT + j) * 4 + i, ln);
         }
         const float v = UP ? detail::situ_dev(detail::round_bf16_dev(s0), detail::round_bf16_dev(s1), sp) : s0;
         out[pair * N + n] = detail::float_to_bf16(v);
       }
-      __syncthreads();
+      team_sync(team);
     }
   }
 }
@@ -363,8 +399,9 @@ __global__ void __launch_bounds__(kMmaThreads)
 // tile, groups t = 0..3, reading piece 4 t + q) hit 8 different bank groups.
 __device__ __forceinline__ int x_piece(int p, int r) { return p ^ (((p >> 3) & 1) | ((r & 1) << 1)); }
 
-// Shared memory of moe_mma_kernel<NT> past its static table: the activation ring.
+// The activation ring of moe_mma_kernel<NT> (bytes), in the table's holes.
 constexpr size_t mma_ring_bytes(int nt) { return size_t{kStages} * nt * kTokTile * kChunkK * 2; }
+static_assert(hole_offset(mma_ring_bytes(3) - 1) < kLutBytes, "the ring fits the table's holes");
 
 // More pairs per expert (2 or 3 token tiles per pass): moe_mma_kernel<NT>. A CTA walks a contiguous
 // range of groups = (slot, 4 consecutive tiles of output rows); warp w owns tile
@@ -384,14 +421,18 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
     moe_mma_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
                    int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
   constexpr int kCols = NT * kTokTile;  // token columns per pass
-  __shared__ uint32_t lut[kLutEntries][kWarp];  // 32 KiB
-  extern __shared__ __align__(16) unsigned char ring_raw[];
-  bf16* ring = reinterpret_cast<bf16*>(ring_raw);  // [kStages][kCols][kChunkK], pieces swizzled
-  for (int i = threadIdx.x; i < kLutEntries * kWarp; i += kMmaThreads)
-    lut[i / kWarp][i % kWarp] = e2m1_pair_bits(static_cast<uint32_t>(i / kWarp));
-  __syncthreads();
+  // The table; holes: the ring [kStages][kCols][kChunkK] BF16, pieces swizzled. A token column's 256
+  // bytes are two holes, so column c of a stage is at stage_base + 512 c + hole_offset(piece offset).
+  extern __shared__ __align__(16) unsigned char lut[];
+  constexpr uint32_t kStageBytes = 2 * kCols * kChunkK * 2;  // a stage's span: its bytes and its rows' tables
+  fill_lut(lut);
+  const uint32_t lut_s = static_cast<uint32_t>(__cvta_generic_to_shared(lut));
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
   const uint32_t lane4 = 4u * static_cast<uint32_t>(lane);
+  // The lane's B-fragment offsets in a stage, step q (token tile j: + 8 j columns = 4096 j bytes).
+  uint32_t roff[4];
+#pragma unroll
+  for (int q = 0; q < 4; ++q) roff[q] = 512u * g + hole_offset(16u * x_piece(4 * t + q, g));
   const int64_t gps = (tiles_per_slot + kWarps - 1) / kWarps;  // groups per slot
   const int64_t groups = static_cast<int64_t>(*plan.n_active) * gps;
   const int64_t per = (groups + gridDim.x - 1) / gridDim.x;
@@ -426,17 +467,17 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
       const int nt = min(NT, (count - t0 + kTokTile - 1) / kTokTile);  // CTA-uniform
       // This thread's staged pieces: sources (columns past count repeat a real token) and ring offsets.
       const bf16* xsrc[NT];
-      int xdst[NT];
+      uint32_t xdst[NT];
 #pragma unroll
       for (int r = 0; r < NT; ++r) {
         const int c = threadIdx.x + kMmaThreads * r, col = c / 16, piece = c % 16;
         const int tok = min(count - 1, t0 + col);
         const int64_t pair = plan.pair_list[begin + tok];
         xsrc[r] = x + (UP ? pair / k : pair) * K;
-        xdst[r] = col * kChunkK + 8 * x_piece(piece, col);
+        xdst[r] = 512u * col + hole_offset(16u * x_piece(piece, col));
       }
       auto stage = [&](int c) {
-        bf16* dst = ring + (c % kStages) * (kCols * kChunkK);
+        unsigned char* dst = lut + (c % kStages) * kStageBytes;
 #pragma unroll
         for (int r = 0; r < NT; ++r) {
           if (r < nt) {
@@ -485,14 +526,13 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
         __syncthreads();  // chunk c is visible to every warp, and every warp is done with chunk c - 1
         if (c + kStages - 1 < chunks) stage(c + kStages - 1);
         cp_async_commit();
-        const bf16* xs = ring + (c % kStages) * (kCols * kChunkK);
+        const unsigned char* xs = lut + (c % kStages) * kStageBytes;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // word q of each lane's 16 bytes: values 8q..8q+7, mma steps 2q, 2q+1
           uint4 b[NT];
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
-            const int col = kTokTile * j + g;
-            if (j < nt) b[j] = *reinterpret_cast<const uint4*>(xs + col * kChunkK + 8 * x_piece(4 * t + q, col));
+            if (j < nt) b[j] = *reinterpret_cast<const uint4*>(xs + kTokTile * 512 * j + roff[q]);
           }
 #pragma unroll
           for (int m = 0; m < 2; ++m) {
@@ -500,7 +540,7 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const uint4 v = w.q[m][h];
-              e2m1x8_to_bf16x8(lut, lane4, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[h]);
+              e2m1x8_to_bf16x8(lut_s, lane4, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[h]);
               const __nv_bfloat162 sc = e8m0_or_zero(w.s[m][h]);
 #pragma unroll
               for (int p = 0; p < 4; ++p) a[h][p] = scale_bf16x2(a[h][p], sc);
@@ -554,16 +594,16 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
   }
 }
 
-// CTAs of a kernel resident per SM with dyn_smem bytes of dynamic shared memory (queried once per kernel
-// and device).
+// CTAs of a kernel resident per SM with blocks of `threads` and dyn_smem bytes of dynamic shared memory
+// (queried once per kernel and device).
 template <auto Kernel>
-int ctas_per_sm(size_t dyn_smem) {
+int ctas_per_sm(int threads, size_t dyn_smem) {
   static int cached[64] = {};
   int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return 2;
   if (cached[dev] == 0) {
     int n = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kMmaThreads, dyn_smem) != cudaSuccess || n <= 0) n = 1;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, dyn_smem) != cudaSuccess || n <= 0) n = 1;
     cached[dev] = n;
   }
   return cached[dev];
@@ -573,8 +613,15 @@ template <bool UP>
 int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K, int64_t N,
                   int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
   const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
-  const int64_t blocks = std::min<int64_t>(max_slots * tiles, int64_t{sms} * ctas_per_sm<moe_mma_splitk_kernel<UP>>(0));
-  moe_mma_splitk_kernel<UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads, 0, s>>>(
+  // The table (64 KiB) passes the 48 KiB a CTA gets without asking.
+  if (const cudaError_t e = cudaFuncSetAttribute(moe_mma_splitk_kernel<UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(kLutBytes));
+      e != cudaSuccess)
+    return e;
+  const int64_t blocks =
+      std::min<int64_t>((max_slots * tiles + kSplitTeams - 1) / kSplitTeams,
+                        int64_t{sms} * ctas_per_sm<moe_mma_splitk_kernel<UP>>(kSplitThreads, kLutBytes));
+  moe_mma_splitk_kernel<UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kSplitThreads, kLutBytes, s>>>(
       x, plan, ex, out, k, K, N, tiles, sp);
   return cudaGetLastError();
 }
@@ -584,14 +631,14 @@ int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16
                int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
   const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
   const int64_t gps = (tiles + kWarps - 1) / kWarps;
-  // The table (32 KiB, static) plus the ring can pass the 48 KiB a CTA gets without asking.
+  // The table with the ring in its holes (64 KiB) passes the 48 KiB a CTA gets without asking.
   if (const cudaError_t e = cudaFuncSetAttribute(moe_mma_kernel<NT, UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(mma_ring_bytes(NT)));
+                                                 static_cast<int>(kLutBytes));
       e != cudaSuccess)
     return e;
   const int64_t blocks =
-      std::min<int64_t>(max_slots * gps, int64_t{sms} * ctas_per_sm<moe_mma_kernel<NT, UP>>(mma_ring_bytes(NT)));
-  moe_mma_kernel<NT, UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads, mma_ring_bytes(NT), s>>>(
+      std::min<int64_t>(max_slots * gps, int64_t{sms} * ctas_per_sm<moe_mma_kernel<NT, UP>>(kMmaThreads, kLutBytes));
+  moe_mma_kernel<NT, UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads, kLutBytes, s>>>(
       x, plan, ex, out, k, K, N, tiles, sp);
   return cudaGetLastError();
 }
