@@ -353,23 +353,9 @@ size_t partial_bound(int64_t rows, int group_rows, int64_t max_len, int R) {
   return (static_cast<size_t>(n) * static_cast<size_t>(R) + static_cast<size_t>(n)) * sizeof(float);
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// Four 8x8 b16 matrices; lanes 8i .. 8i+7 give the row addresses of matrix i, register i is matrix i
-// (thread t: row t / 4, elements 2 (t % 4), +1; .trans: elements [2 (t % 4)][t / 4], [2 (t % 4) + 1][t / 4]).
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
+using detail::ldsm_x4;
+using detail::ldsm_x4_trans;
+using detail::smem_u32;
 __device__ __forceinline__ uint32_t pack_bf16(bf16raw lo, bf16raw hi) {
   return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) | (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
 }

@@ -210,12 +210,8 @@ __device__ __forceinline__ uint4 ldg_l2_256(const void* p) {
   return v;
 }
 
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 using detail::cp_async16;
+using detail::cp_async_wait;
 using detail::cp_async_commit;
 using detail::mma_bf16_16816;
 
@@ -292,13 +288,7 @@ __global__ void __launch_bounds__(kSplitThreads, 2)
         const int64_t pair = plan.pair_list[begin + tok];
         xr[j] = x + (UP ? pair / k : pair) * K + 32 * tg;
       }
-      float acc[2][NT][4];
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
+      float acc[2][NT][4] = {};
       // Weights (HBM) and activations (L2) of the next chunk are loaded before the current one is used,
       // into two register sets used in turn (no copies between them). Loads are unconditional so they
       // issue together: a chunk past the warp's range reloads its last one (unused); a lane group past K
@@ -493,13 +483,7 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
         cp_async_commit();
       }
 
-      float acc[2][NT][4];
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
+      float acc[2][NT][4] = {};
 
       struct W {
         uint4 q[2][2];    // [operand][row g, g + 8]: 32 E2M1 values of group t
