@@ -1,15 +1,23 @@
-// CUDA linear: y[r, o] = sum_i x[r, i] * W[o, i], BF16 inputs, FP32 accumulation, y BF16 or FP32.
+// CUDA linear: y[r, o] = sum_i x[r, i] * W[o, i]; x [rows, in] BF16, W [out, in] BF16, y [rows, out]
+// BF16 (rounded once from the FP32 sum) or FP32; FP32 accumulation. linear_via picks the path:
 //
-// Decode (rows <= kLinearKernelMaxRows): linear_rows_kernel. A CTA of 128 threads owns 4 output
-// features and a tile of RT rows (RT = 1, 2, 4 or 8 by the row count). Its threads split the input
-// dimension in 16-byte chunks (8 bf16; element-wise when in % 8 != 0 or a pointer is unaligned), load
-// each of the 4 weight rows' chunk once and apply it to the RT activation rows (read through the
-// read-only cache: x is small and shared by every CTA), accumulate in FP32, then reduce with warp
-// shuffles and one shared-memory step. The row tile is the fastest grid index, so the CTAs that read
-// the same weight rows run together and W comes from HBM about once.
+// 1 row (kLinearRowsKernelMaxRows): linear_rows_kernel. A CTA of 128 threads owns 4 output features and
+// a tile of RT rows (RT = 1, 2, 4 or 8 by the row count). Its threads split the input dimension in
+// 16-byte chunks (8 bf16; element-wise when in % 8 != 0 or a pointer is unaligned), load each of the 4
+// weight rows' chunk once and apply it to the RT activation rows (read through the read-only cache: x is
+// small and shared by every CTA), accumulate in FP32, then reduce with warp shuffles and one
+// shared-memory step. The row tile is the fastest grid index, so the CTAs that read the same weight rows
+// run together and W comes from HBM about once. It also takes any row count on LinearPath::Kernel when
+// the skinny kernel does not fit (in % 8 != 0, unaligned x or w).
 //
-// More rows: cuBLASLt in column-major terms, y^T [out, rows] = (W^T [in, out])^T x^T [in, rows],
-// BF16 A/B, FP32 compute and scale, BF16 or FP32 C = D, split-K reductions (if any) in FP32.
+// 2..64 rows (kLinearSkinnyMinRows..kLinearSkinnyMaxRows, in % 8 == 0, x and w 16-byte aligned) on
+// LinearPath::Kernel, and on Auto when kLinearAutoSkinny: linear_skinny (linear_skinny.cu), tensor cores
+// with W as the A operand, 128 features x a K range per CTA, split K with a fixed-order sum of FP32
+// partials in ctx.workspace.
+//
+// More rows (and 2..64 rows that the skinny kernel does not take): cuBLASLt in column-major terms,
+// y^T [out, rows] = (W^T [in, out])^T x^T [in, rows], BF16 A/B, FP32 compute and scale, BF16 or FP32
+// C = D, split-K reductions (if any) in FP32; the hand-written kernels if it has no algorithm.
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -203,8 +211,15 @@ int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w
   if (rows < 0 || in <= 0 || out <= 0) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if (x == nullptr || w == nullptr || y == nullptr) return cudaErrorInvalidValue;
-  const bool lt = path == LinearPath::CublasLt || (path == LinearPath::Auto && rows > kLinearKernelMaxRows);
+  const bool skinny = (path == LinearPath::Kernel || (path == LinearPath::Auto && kLinearAutoSkinny)) &&
+                      linear_skinny_fits(rows, in, x, w);
+  const bool lt = path == LinearPath::CublasLt ||
+                  (path == LinearPath::Auto && rows > kLinearRowsKernelMaxRows && !skinny);
   if (lt && linear_cublaslt(ctx, x, w, y, y_f32, rows, in, out)) return cudaGetLastError();
+  if (skinny) {
+    const int e = linear_skinny(ctx, x, w, y, y_f32, rows, in, out);
+    if (e != cudaErrorNotSupported) return e;  // not supported: the device cannot run it, nothing enqueued
+  }
   return linear_kernel(x, w, y, y_f32, rows, in, out, reinterpret_cast<cudaStream_t>(ctx.stream));
 }
 

@@ -17,19 +17,41 @@ void linear(const float* x, const bf16* w, float* y, int64_t rows, int64_t in, i
 
 namespace k3::ops::cuda {
 
-// x [rows, in] BF16, w [out, in] BF16 -> y [rows, out], BF16 (rounded) or FP32 when y_f32; FP32 accumulation.
-// rows <= kLinearKernelMaxRows: a hand-written kernel streaming W once; more rows: cuBLASLt on
-// ctx.workspace (the kernel again if cuBLASLt has no algorithm). y must not alias x.
-// Measured on the H200 (bench --ops, docs/perf/ops_6a5a50f.log): the kernel wins at 1 row on every
-// K3 per-rank shape (6288 x 7168: 26.1 us against cuBLASLt's 27.0); at 2 rows the winner depends on the
-// shape (within ~1 us on the small ones, cuBLASLt by 10 us on 7168 x 33792); from 4 rows cuBLASLt wins.
-constexpr int64_t kLinearKernelMaxRows = 1;
+// x [rows, in] BF16, w [out, in] BF16 -> y [rows, out], BF16 (rounded once from the FP32 sum) or FP32
+// when y_f32; FP32 accumulation. y must not alias x. Paths (src/ops/linear.cu, linear_skinny.cu):
+//   rows == 1:                  linear_rows_kernel, CUDA cores, W streamed once (26.1 us on 6288 x 7168
+//                               against cuBLASLt's 27.0, H200, docs/perf/ops_6a5a50f.log);
+//   2 <= rows <= 64 (skinny):   linear_skinny, tensor cores, W streamed once through a cp.async ring,
+//                               split K over the CTAs with a fixed-order FP32 sum (cuBLASLt: 37-94% of
+//                               the HBM bandwidth at these shapes); needs in % 8 == 0 and 16-byte aligned
+//                               x and w, else cuBLASLt; in Auto only when kLinearAutoSkinny (below),
+//                               else cuBLASLt;
+//   more rows:                  cuBLASLt on ctx.workspace (the hand-written kernels if it has no algorithm).
+// The hand-written paths give the same bits on every run for a given shape and Context (the skinny
+// split depends on the SM count and ctx.workspace_bytes).
+constexpr int64_t kLinearRowsKernelMaxRows = 1;
+constexpr int64_t kLinearSkinnyMinRows = 2;
+constexpr int64_t kLinearSkinnyMaxRows = 64;
+// Whether Auto (the engine) takes the skinny kernel. Off until it has run on a GPU: it is compiled and its
+// GPU tests are written (CudaLinearSkinny), but no GPU was available when it was written (2026-12-02), so
+// the engine keeps cuBLASLt at 2..64 rows and the kernel is reachable only through LinearPath::Kernel
+// (tests, bench --ops).
+constexpr bool kLinearAutoSkinny = false;
 int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
            int64_t out);
-// The same with the path forced (benchmarks compare them): Kernel = the hand-written kernel at any row
-// count; CublasLt = cuBLASLt (the kernel if cuBLASLt has no algorithm); Auto = linear().
+// The same with the path forced (benchmarks compare them): Kernel = the hand-written kernels (skinny for
+// the rows and shapes it takes, else linear_rows_kernel at any row count); CublasLt = cuBLASLt (the
+// hand-written kernels if cuBLASLt has no algorithm); Auto = linear().
 enum class LinearPath { Auto, Kernel, CublasLt };
 int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
                int64_t in, int64_t out);
+
+// The skinny path alone. It takes rows in [kLinearSkinnyMinRows, kLinearSkinnyMaxRows], in % 8 == 0 and
+// 16-byte aligned x and w (linear_skinny_fits); otherwise linear_skinny enqueues nothing and returns
+// cudaErrorNotSupported. Its split-K partials ([splits, rows, out] FP32) use ctx.workspace, stream-ordered
+// like cuBLASLt's use of it; no workspace (or too small a one for two splits): no split.
+bool linear_skinny_fits(int64_t rows, int64_t in, const bf16* x, const bf16* w);
+int linear_skinny(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
+                  int64_t out);
 
 }  // namespace k3::ops::cuda

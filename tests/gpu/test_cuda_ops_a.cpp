@@ -1,6 +1,7 @@
-// CUDA ops, set a, each against its CPU reference on random inputs (fixed seeds): linear (both paths,
-// the K3 per-rank shapes), rmsnorm / layernorm, attn_res, embedding, situ_glu, mxfp4_linear,
-// expert_mlp, mlp, moe_experts (the K3 rank slice: 28 of 896 experts, k = 16), route, sample_greedy.
+// CUDA ops, set a, each against its CPU reference on random inputs (fixed seeds): linear (every path,
+// the K3 per-rank shapes; the skinny kernel against a float64 loop), rmsnorm / layernorm, attn_res,
+// embedding, situ_glu, mxfp4_linear, expert_mlp, mlp, moe_experts (the K3 rank slice: 28 of 896
+// experts, k = 16), route, sample_greedy.
 //
 // Tolerances come from the output dtype. BF16 keeps 8 significant bits: an FP32 result that the GPU
 // sums in another order rounds to the CPU's value or a neighbour, at most one ulp apart, and one ulp
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -90,7 +92,8 @@ TEST(CudaLinear, MatchesCpuOnOddShapesBothPaths) {
   struct Case {
     int64_t in, out;
   };
-  // in % 8 != 0 takes the element-wise kernel; out not a multiple of the 4 features of a CTA.
+  // in % 8 != 0 takes the element-wise kernel (1 row) or cuBLASLt; out not a multiple of the 4 features of
+  // a CTA (1 row) or of the skinny kernel's 128 (2..64 rows).
   const Case cases[] = {{8, 1}, {40, 7}, {37, 33}, {1000, 100}, {136, 250}, {1, 5}};
   uint64_t seed = 100;
   for (const auto& c : cases) {
@@ -131,6 +134,157 @@ TEST(CudaLinear, MatchesCpuOnK3PerRankShapes) {
     DeviceBuffer dw = upload_bf16(w);
     for (int64_t rows : {1, 8, 32, 64, 65, 128}) check_linear(w, rows, s.in, s.out, s.f32, seed++, dw);
   }
+}
+
+// Skinny GEMM (2..64 rows, ops::cuda::linear_skinny) against a float64 loop written from the math.
+//
+// Tolerance per output: 2^-16 of the sum of the terms' magnitudes for the FP32 sum (the tensor cores
+// truncate each k16 step's sum: at 7168 terms ~2^-20 of it in expectation, under 2^-18 at worst for
+// these random inputs), plus for a BF16 output its rounding, at most 2^-8 of |y| (half an ulp). One
+// term lost or added moves an output by ~2^-12 of that magnitude sum at in = 7168 (more at smaller in).
+struct LinearF64 {
+  std::vector<double> y, mag;  // [rows, out]: sum_i x[r, i] w[o, i], sum_i |x[r, i] w[o, i]|
+};
+
+LinearF64 linear_f64(const std::vector<float>& x, const std::vector<float>& w, int64_t rows, int64_t in, int64_t out) {
+  const auto n = static_cast<size_t>(rows * out);
+  LinearF64 ref{std::vector<double>(n), std::vector<double>(n)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      double s = 0, a = 0;
+      for (int64_t i = 0; i < in; ++i) {
+        const double p = static_cast<double>(x[r * in + i]) * static_cast<double>(w[o * in + i]);
+        s += p;
+        a += std::fabs(p);
+      }
+      ref.y[r * out + o] = s;
+      ref.mag[r * out + o] = a;
+    }
+  }
+  return ref;
+}
+
+// y of one linear_via call as raw bytes (y starts as all-ones bits, NaN in BF16 and FP32: an output
+// left unwritten fails the comparison).
+std::vector<uint8_t> linear_bytes(const ops::cuda::Context& c, ops::cuda::LinearPath path, const bf16* x,
+                                  const DeviceBuffer& dw, int64_t rows, int64_t in, int64_t out, bool y_f32) {
+  const size_t bytes = static_cast<size_t>(rows * out) * (y_f32 ? 4 : 2);
+  DeviceBuffer dy(bytes);
+  CUDA_CHECK(cudaMemsetAsync(dy.get(), 0xff, bytes, stream()));
+  EXPECT_EQ(ops::cuda::linear_via(c, path, x, dw.get<bf16>(), dy.get(), y_f32, rows, in, out), 0);
+  return download<uint8_t>(dy, bytes);
+}
+
+void expect_linear_f64(const std::vector<uint8_t>& got_bytes, bool y_f32, const LinearF64& ref, int64_t out,
+                       const char* what) {
+  ASSERT_EQ(got_bytes.size(), ref.y.size() * (y_f32 ? 4 : 2)) << what;
+  size_t bad = 0, worst = 0;
+  double worst_excess = -1, worst_got = 0;
+  for (size_t e = 0; e < ref.y.size(); ++e) {
+    float got;
+    if (y_f32) {
+      std::memcpy(&got, got_bytes.data() + 4 * e, 4);
+    } else {
+      bf16 b;
+      std::memcpy(&b.bits, got_bytes.data() + 2 * e, 2);
+      got = to_float(b);
+    }
+    const double tol = (y_f32 ? 0.0 : std::ldexp(std::fabs(ref.y[e]), -8)) + std::ldexp(ref.mag[e], -16);
+    const double err = std::fabs(static_cast<double>(got) - ref.y[e]);
+    if (!(err <= tol)) {
+      ++bad;
+      const double excess = std::isnan(err) ? HUGE_VAL : err / std::max(tol, 1e-300);
+      if (excess > worst_excess) worst_excess = excess, worst = e, worst_got = got;
+    }
+  }
+  EXPECT_EQ(bad, 0u) << what << ": " << bad << " outputs off, worst at row " << worst / out << " feature "
+                     << worst % out << " got " << worst_got << " want " << ref.y[worst] << " (sum of |terms| " << ref.mag[worst] << ")";
+}
+
+TEST(CudaLinearSkinny, MatchesFloat64AndRepeatsBitsForEveryRowCountAndSplit) {
+  K3_REQUIRE_GPU();
+  using ops::cuda::LinearPath;
+  struct Shape {
+    int64_t out, in;
+    bool f32;
+  };
+  // 40 x 72: one partial feature tile and a partial last K chunk (72 = 64 + 8); 130 x 136: a second
+  // tile of 2 features, 3 chunks; 2304 x 1536 (q_b) and 896 x 7168 (the router, FP32 logits): few tiles,
+  // split K over many CTAs.
+  const Shape shapes[] = {{40, 72, false}, {130, 136, true}, {2304, 1536, false}, {896, 7168, true}};
+  // The split follows the workspace: the full one (as many splits as fill the GPU), room for 3 splits'
+  // partials, none (one split: the kernel writes y itself).
+  struct Variant {
+    const char* name;
+    int max_splits;  // 0: ctx().workspace as it is
+  };
+  const Variant variants[] = {{"full workspace", 0}, {"3-split workspace", 3}, {"no workspace", 1}};
+  uint64_t seed = 900;
+  for (const auto& s : shapes) {
+    const auto w = random_bf16_values(static_cast<size_t>(s.out * s.in), seed++, 1.0 / std::sqrt(double(s.in)));
+    DeviceBuffer dw = upload_bf16(w);
+    for (int64_t rows : {2, 3, 8, 17, 33, 64}) {
+      SCOPED_TRACE(testing::Message() << "skinny rows " << rows << " in " << s.in << " out " << s.out
+                                      << (s.f32 ? " f32" : " bf16"));
+      const auto x = random_bf16_values(static_cast<size_t>(rows * s.in), seed++);
+      DeviceBuffer dx = upload_bf16(x);
+      const LinearF64 ref = linear_f64(x, w, rows, s.in, s.out);
+      std::vector<std::vector<uint8_t>> by_variant;
+      for (const auto& v : variants) {
+        SCOPED_TRACE(v.name);
+        ops::cuda::Context c = ctx();
+        if (v.max_splits == 1) {
+          c.workspace = nullptr;
+          c.workspace_bytes = 0;
+        } else if (v.max_splits > 1) {
+          c.workspace_bytes = static_cast<size_t>(v.max_splits * rows * s.out) * sizeof(float);
+        }
+        const auto kernel = linear_bytes(c, LinearPath::Kernel, dx.get<bf16>(), dw, rows, s.in, s.out, s.f32);
+        expect_linear_f64(kernel, s.f32, ref, s.out, "kernel path");
+        EXPECT_TRUE(kernel == linear_bytes(c, LinearPath::Kernel, dx.get<bf16>(), dw, rows, s.in, s.out, s.f32))
+            << "a second run gave other bits";
+        // Auto takes the skinny kernel at 2..64 rows once enabled: then the same bits.
+        if (ops::cuda::kLinearAutoSkinny)
+          EXPECT_TRUE(kernel == linear_bytes(c, LinearPath::Auto, dx.get<bf16>(), dw, rows, s.in, s.out, s.f32))
+              << "auto differs from the kernel path";
+        by_variant.push_back(kernel);
+      }
+      // The router's FP32 logits summed in another split order differ in some bits: the split really ran.
+      if (s.out == 896) EXPECT_FALSE(by_variant[0] == by_variant[2]) << "full workspace did not split";
+    }
+  }
+}
+
+TEST(CudaLinearSkinny, ShapesItDoesNotTakeFallBack) {
+  K3_REQUIRE_GPU();
+  using ops::cuda::LinearPath;
+  // in % 8 != 0, and x one element off 16-byte alignment: linear_rows_kernel (Kernel) or cuBLASLt (Auto).
+  const int64_t rows = 5, out = 70;
+  for (const int64_t in : {60, 64}) {
+    const bool unaligned = in == 64;
+    SCOPED_TRACE(testing::Message() << "in " << in << (unaligned ? " unaligned x" : ""));
+    const auto w = random_bf16_values(static_cast<size_t>(out * in), 31);
+    const auto xs = random_bf16_values(static_cast<size_t>(rows * in + 1), 32);
+    const std::vector<float> x(xs.begin() + (unaligned ? 1 : 0), xs.begin() + (unaligned ? 1 : 0) + rows * in);
+    DeviceBuffer dw = upload_bf16(w), dx = upload_bf16(xs);
+    const bf16* xp = dx.get<bf16>() + (unaligned ? 1 : 0);
+    EXPECT_FALSE(ops::cuda::linear_skinny_fits(rows, in, xp, dw.get<bf16>()));
+    const LinearF64 ref = linear_f64(x, w, rows, in, out);
+    for (const LinearPath p : {LinearPath::Kernel, LinearPath::Auto}) {
+      expect_linear_f64(linear_bytes(ctx(), p, xp, dw, rows, in, out, false), false, ref, out,
+                        p == LinearPath::Kernel ? "kernel path" : "auto");
+    }
+  }
+  // The skinny launcher itself refuses them (nothing enqueued), and refuses 1 and 65 rows.
+  DeviceBuffer dw(64 * 8 * 2), dx(65 * 64 * 2 + 16), dy(65 * 8 * 4);
+  EXPECT_EQ(ops::cuda::linear_skinny(ctx(), dx.get<bf16>(), dw.get<bf16>(), dy.get(), false, 5, 60, 8),
+            cudaErrorNotSupported);
+  EXPECT_EQ(ops::cuda::linear_skinny(ctx(), dx.get<bf16>() + 1, dw.get<bf16>(), dy.get(), false, 5, 64, 8),
+            cudaErrorNotSupported);
+  EXPECT_EQ(ops::cuda::linear_skinny(ctx(), dx.get<bf16>(), dw.get<bf16>(), dy.get(), false, 1, 64, 8),
+            cudaErrorNotSupported);
+  EXPECT_EQ(ops::cuda::linear_skinny(ctx(), dx.get<bf16>(), dw.get<bf16>(), dy.get(), false, 65, 64, 8),
+            cudaErrorNotSupported);
 }
 
 // ---------------------------------------------------------------------------------------------
