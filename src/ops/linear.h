@@ -32,10 +32,10 @@ namespace k3::ops::cuda {
 constexpr int64_t kLinearRowsKernelMaxRows = 1;
 constexpr int64_t kLinearSkinnyMinRows = 2;
 constexpr int64_t kLinearSkinnyMaxRows = 64;
-// Whether Auto (the engine) takes the skinny kernel. Off until it has run on a GPU: it is compiled and its
-// GPU tests are written (CudaLinearSkinny), but no GPU was available when it was written (2026-12-02), so
-// the engine keeps cuBLASLt at 2..64 rows and the kernel is reachable only through LinearPath::Kernel
-// (tests, bench --ops).
+// Whether Auto (the engine) takes the skinny kernel. Off: it passes its GPU tests (CudaLinearSkinny), but
+// measured on the H200 against cuBLASLt (docs/perf/ops_linear_9b0a6e2.log) it wins by 1-2 us on only three
+// K3 shapes at 2-16 rows and loses elsewhere, by up to 1.8x at 64 rows; it stays reachable through
+// LinearPath::Kernel (tests, bench --ops) until it is faster.
 constexpr bool kLinearAutoSkinny = false;
 int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
            int64_t out);
