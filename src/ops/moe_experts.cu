@@ -134,7 +134,7 @@ constexpr int kStages = 3;    // activation chunks staged ahead (cp.async ring)
 // The 256 entries live in shared memory with one copy per lane: row b (256 bytes) holds entry b in words
 // 0..31, word l read only by lane l (bank l: lookups never conflict). One lookup decodes two values with
 // one byte permute (byte p of the weights next to the lane's 4 l: the row offset b * 256 + 4 l) and one
-// load, the table's address being the load's immediate. (Bit manipulation took ~20 integer instructions
+// load, which adds the table's address from a uniform register. (Bit manipulation took ~20 integer instructions
 // per 8 values; a 128-byte row needed a shift and a LOP3 per lookup: 8 instructions per 2 values in all.)
 // Words 32..63 of the rows (32 KiB, "the holes") hold each kernel's other shared data: 128-byte pieces,
 // piece i at byte 256 i + 128 of the kernel's dynamic shared memory.
@@ -165,8 +165,9 @@ __host__ __device__ constexpr uint32_t hole_offset(uint32_t o) {
   return (o >> 7) * kLutRowBytes + 128 + (o & 127);
 }
 
-// A 32-bit load from the shared-memory address base + off, base the table's (a constant of the kernel, so
-// the compiler folds it into the load's immediate: one permute and one load per lookup).
+// A 32-bit load from the shared-memory address base + off, base the table's (the same for every thread, so
+// the compiler keeps it in a uniform register that the load adds: LDS [R + UR], one permute and one load
+// per lookup; through a generic pointer it added an IADD per lookup).
 __device__ __forceinline__ uint32_t lds_u32(uint32_t base, uint32_t off) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(base + off));
@@ -212,6 +213,7 @@ __device__ __forceinline__ uint4 ldg_l2_256(const void* p) {
 
 using detail::cp_async16;
 using detail::cp_async_wait;
+using detail::smem_u32;
 using detail::cp_async_commit;
 using detail::mma_bf16_16816;
 
@@ -245,7 +247,7 @@ __global__ void __launch_bounds__(kSplitThreads, 2)
   // The table; holes: part [kSplitTeams][kWarps][kAcc][kWarp] FP32.
   extern __shared__ __align__(16) unsigned char lut[];
   fill_lut(lut);
-  const uint32_t lut_s = static_cast<uint32_t>(__cvta_generic_to_shared(lut));
+  const uint32_t lut_s = smem_u32(lut);
   const int team = static_cast<int>(threadIdx.x) / kMmaThreads, ttid = static_cast<int>(threadIdx.x) % kMmaThreads;
   auto part = [&](int w, int i, int ln) -> float& {
     return *reinterpret_cast<float*>(
@@ -416,7 +418,7 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
   extern __shared__ __align__(16) unsigned char lut[];
   constexpr uint32_t kStageBytes = 2 * kCols * kChunkK * 2;  // a stage's span: its bytes and its rows' tables
   fill_lut(lut);
-  const uint32_t lut_s = static_cast<uint32_t>(__cvta_generic_to_shared(lut));
+  const uint32_t lut_s = smem_u32(lut);
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
   const uint32_t lane4 = 4u * static_cast<uint32_t>(lane);
   // The lane's B-fragment offsets in a stage, step q (token tile j: + 8 j columns = 4096 j bytes).
