@@ -1,20 +1,22 @@
 // CUDA kernels of the DSA lightning indexer and its top-k (see dsa.h for the math).
 //
-//   dsa_index_scores_paged: a CTA (4 warps) owns one token and a chunk of 512 candidate
-//     positions. q_idx [Hi, Di] and the per-head weights sit in shared memory; key tiles of
+//   dsa_index_scores_paged: a CTA (4 warps) owns one token and a chunk of 64 to 512 candidate
+//     positions (fewer when the step has few tokens, so the CTAs cover the SMs). q_idx [Hi, Di] and the per-head weights sit in shared memory; key tiles of
 //     64 (gathered through the block table with cp.async) are multiplied on tensor cores
 //     (mma.sync m16n8k16, BF16 inputs, FP32 accumulation; warp w: keys 16w .. 16w+15,
 //     all heads as M tiles), then relu, weighted by w_h and summed over the heads in FP32
 //     (in-thread, then over the 8 row groups of the warp with shuffles). Columns past the
 //     token's context get -inf.
 //   topk_indices: one CTA of 1024 threads per row. A radix select (4 passes of 8 bits over
-//     order-preserving keys, NaN as -inf, -0 as +0) finds the k-th largest key; the keys
+//     order-preserving keys, NaN as -inf, -0 as +0; one histogram atomic per distinct digit in a
+//     warp) finds the k-th largest key; the keys
 //     above it and the lowest-index ties equal to it (a block scan in index order) are
 //     gathered as 64-bit (key, ~index) pairs and bitonic-sorted descending in shared
 //     memory, which is exactly (score desc, index asc) - the CPU's order.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -38,7 +40,7 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 constexpr int kIdxWarps = 4;
 constexpr int kIdxThreads = kIdxWarps * 32;
 constexpr int kKT = 16 * kIdxWarps;  // keys per tile: 16 per warp
-constexpr int kIdxChunk = 512;       // candidate positions per CTA
+constexpr int kIdxMaxChunkTiles = 8;  // candidate positions per CTA: 1 to 8 tiles, by the work (below)
 constexpr int kMaxMT = 4;            // M tiles of heads: Hi <= 64
 
 __host__ __device__ inline int idx_dk16(int Di) { return (Di + 15) & ~15; }
@@ -56,6 +58,7 @@ struct IndexParams {
   const int32_t* ctx_len;  // [T]
   float* scores;           // [T, max_ctx]
   int max_pages, page_size, q_len, max_ctx, Hi, Di;
+  int chunk;               // candidate positions per CTA, a multiple of kKT
 };
 
 __global__ void __launch_bounds__(kIdxThreads) dsa_index_scores_kernel(const IndexParams p) {
@@ -71,8 +74,8 @@ __global__ void __launch_bounds__(kIdxThreads) dsa_index_scores_kernel(const Ind
   const int64_t t = blockIdx.y;
   const int64_t b = t / p.q_len;
   const int n = max(0, min(p.ctx_len[t], p.max_ctx));
-  const int c0 = blockIdx.x * kIdxChunk;
-  const int c_end = min(c0 + kIdxChunk, p.max_ctx);
+  const int c0 = blockIdx.x * p.chunk;
+  const int c_end = min(c0 + p.chunk, p.max_ctx);
   float* srow = p.scores + t * p.max_ctx;
   for (int col = max(c0, n) + tid; col < c_end; col += kIdxThreads) srow[col] = -INFINITY;
   const int c1 = min(c_end, n);
@@ -218,11 +221,14 @@ __global__ void __launch_bounds__(kTopkThreads)
         }
 #pragma unroll
         for (int u = 0; u < kHistUnroll; ++u) {
+          // One shared atomic per distinct digit in the warp: the leading digits of similar scores are
+          // nearly all equal, and 32 lanes adding to one counter serialize.
           const int i = base + u * kTopkThreads + tid;
-          if (i < n) {
-            const uint32_t key = float_key(v[u]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
-          }
+          const uint32_t key = float_key(v[u]);
+          const bool take = i < n && (key & mask) == prefix;
+          const uint32_t digit = take ? (key >> shift) & 255u : 256u;
+          const unsigned peers = __match_any_sync(0xffffffffu, digit);
+          if (take && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], static_cast<unsigned>(__popc(peers)));
         }
       }
       __syncthreads();
@@ -365,7 +371,16 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
                                                  static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  const dim3 grid(static_cast<unsigned>((max_ctx + kIdxChunk - 1) / kIdxChunk), static_cast<unsigned>(T));
+  // Each CTA's tiles run one after another (a round trip to memory each): few tokens take one tile per
+  // CTA to spread over the SMs (one token at 8k: 16 CTAs of 8 tiles were ~25 us), many take up to
+  // kIdxMaxChunkTiles per CTA, so the query tile staged per CTA stays a small share of the traffic.
+  static int sms[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
+  if (sms[dev] == 0 && cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) sms[dev] = 132;
+  const int64_t tiles = T * ((max_ctx + kKT - 1) / kKT), want_ctas = 4 * int64_t{sms[dev]};
+  p.chunk = kKT * static_cast<int>(std::clamp<int64_t>((tiles + want_ctas - 1) / want_ctas, 1, kIdxMaxChunkTiles));
+  const dim3 grid(static_cast<unsigned>((max_ctx + p.chunk - 1) / p.chunk), static_cast<unsigned>(T));
   dsa_index_scores_kernel<<<grid, kIdxThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -21,6 +21,7 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "ops/cuda_bf16.cuh"
 #include "ops/linear.h"
@@ -161,21 +162,34 @@ struct LtDescs {
   }
 };
 
-// True when cuBLASLt enqueued the product; false when it has no algorithm (or failed before enqueueing).
-bool linear_cublaslt(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
-                     int64_t in, int64_t out) {
+// One cuBLASLt product, strided-batched when batch > 1, in column-major terms: C_b = y_b^T [out, rows] (ld
+// ldy) = op(A_b) B_b with B_b = x_b^T [in, rows] (ld ldx) and A_b the weights: W_b [out, in] row-major
+// (w_out_in) is column-major [in, out] with ld ldw, taken transposed; W_b [in, out] row-major is
+// column-major [out, in], taken as is. Matrix b of each starts stride_* elements after matrix b - 1.
+// True when cuBLASLt enqueued it; false when it has no algorithm (or failed before enqueueing).
+bool cublaslt_product(const Context& ctx, const bf16* x, int64_t ldx, int64_t stride_x, const bf16* w, int64_t ldw,
+                      int64_t stride_w, bool w_out_in, void* y, bool y_f32, int64_t ldy, int64_t stride_y,
+                      int64_t rows, int64_t in, int64_t out, int batch) {
   if (ctx.lt == nullptr) return false;
   auto lt = reinterpret_cast<cublasLtHandle_t>(ctx.lt);
   const auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
   LtDescs d;
   if (!ok(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F))) return false;
-  const cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+  const cublasOperation_t ta = w_out_in ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
   if (!ok(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)))) return false;
   if (!ok(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)))) return false;
-  // Column-major views: A = W^T stored [in, out] (ld in), B = x^T [in, rows] (ld in), C = D = y^T [out, rows].
-  if (!ok(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, in, out, in))) return false;
-  if (!ok(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, in, rows, in))) return false;
-  if (!ok(cublasLtMatrixLayoutCreate(&d.c, y_f32 ? CUDA_R_32F : CUDA_R_16BF, out, rows, out))) return false;
+  if (!ok(cublasLtMatrixLayoutCreate(&d.a, CUDA_R_16BF, w_out_in ? in : out, w_out_in ? out : in, ldw))) return false;
+  if (!ok(cublasLtMatrixLayoutCreate(&d.b, CUDA_R_16BF, in, rows, ldx))) return false;
+  if (!ok(cublasLtMatrixLayoutCreate(&d.c, y_f32 ? CUDA_R_32F : CUDA_R_16BF, out, rows, ldy))) return false;
+  if (batch > 1) {
+    const int32_t n = batch;
+    const std::pair<cublasLtMatrixLayout_t, int64_t> lay[3] = {{d.a, stride_w}, {d.b, stride_x}, {d.c, stride_y}};
+    for (const auto& [l, stride] : lay)
+      if (!ok(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof(n))) ||
+          !ok(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride,
+                                               sizeof(stride))))
+        return false;
+  }
   if (!ok(cublasLtMatmulPreferenceCreate(&d.pref))) return false;
   const uint64_t ws = ctx.workspace ? ctx.workspace_bytes : 0;
   if (!ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws))))
@@ -204,6 +218,11 @@ bool linear_cublaslt(const Context& ctx, const bf16* x, const bf16* w, void* y, 
                            reinterpret_cast<cudaStream_t>(ctx.stream)));
 }
 
+bool linear_cublaslt(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
+                     int64_t in, int64_t out) {
+  return cublaslt_product(ctx, x, in, 0, w, in, 0, true, y, y_f32, out, 0, rows, in, out, 1);
+}
+
 }  // namespace
 
 int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
@@ -226,6 +245,14 @@ int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w
 int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
            int64_t out) {
   return linear_via(ctx, LinearPath::Auto, x, w, y, y_f32, rows, in, out);
+}
+
+bool linear_batched_cublaslt(const Context& ctx, const bf16* x, int64_t ldx, int64_t stride_x, const bf16* w,
+                             int64_t ldw, int64_t stride_w, bool w_out_in, bf16* y, int64_t ldy, int64_t stride_y,
+                             int64_t rows, int64_t in, int64_t out, int batch) {
+  if (rows <= 0 || in <= 0 || out <= 0 || batch <= 0 || x == nullptr || w == nullptr || y == nullptr) return false;
+  return cublaslt_product(ctx, x, ldx, stride_x, w, ldw, stride_w, w_out_in, y, false, ldy, stride_y, rows, in, out,
+                          batch);
 }
 
 }  // namespace k3::ops::cuda

@@ -46,6 +46,15 @@ enum class LinearPath { Auto, Kernel, CublasLt };
 int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
                int64_t in, int64_t out);
 
+// Per-head products (the MLA absorptions): for b < batch, y_b [rows, out] = x_b [rows, in] W_b^T when
+// w_out_in (W_b [out, in]), else x_b W_b (W_b [in, out]); BF16 in and out (rounded once), FP32
+// accumulation, split-K partials (if any) in FP32. A matrix's rows are ld* elements apart, matrix b
+// starts stride_* elements after matrix b - 1. cuBLASLt only: false when it has no algorithm (nothing
+// enqueued), so the caller takes its own kernel.
+bool linear_batched_cublaslt(const Context& ctx, const bf16* x, int64_t ldx, int64_t stride_x, const bf16* w,
+                             int64_t ldw, int64_t stride_w, bool w_out_in, bf16* y, int64_t ldy, int64_t stride_y,
+                             int64_t rows, int64_t in, int64_t out, int batch);
+
 // The skinny path alone. It takes rows in [kLinearSkinnyMinRows, kLinearSkinnyMaxRows], in % 8 == 0 and
 // 16-byte aligned x and w (linear_skinny_fits); otherwise linear_skinny enqueues nothing and returns
 // cudaErrorNotSupported. Its split-K partials ([splits, rows, out] FP32) use ctx.workspace, stream-ordered

@@ -1,6 +1,7 @@
 // CUDA kernels of the absorbed Gated MLA decode (see mla.h for the math).
 //
-//   mla_absorb_q: per (head, 128 columns of R, 16 tokens) CTA; q_nope of the tokens in
+//   mla_absorb_q: one strided-batched cuBLASLt product over the heads (ops/linear.h), q_pe copied
+//     beside it; without a cuBLASLt algorithm, per (head, 128 columns of R, 16 tokens) CTA; q_nope of the tokens in
 //     shared memory, each thread one column, W_uk read once per CTA (coalesced rows),
 //     FP32 sums over dn in the CPU's order, rounded to BF16; q_pe copied through.
 //   mla_attend_paged / mla_attend_indexed: flash decoding on tensor cores (mma.sync m16n8k16,
@@ -28,8 +29,10 @@
 //     Many groups (>= kTile16MinGroups) of at most 16 rows take mla_attend16_kernel instead (the
 //     earlier 16-row, 32-entry-tile kernel, namespace tile16): with one ~170 KB CTA of 4 warps per SM
 //     the kernel above streams slowly, while the 16-row kernel fits several CTAs per SM.
-//   lse_merge: one CTA per (token, head, 128 columns); weights exp(lse_i - max) / sum as the CPU.
-//   mla_unabsorb: one warp per output row of W_uv, 8 tokens per CTA from shared memory.
+//   lse_merge: one CTA per (token, head, 128 columns), four thread groups over quarters of the parts;
+//     weights exp(lse_i - max) / sum as the CPU (the sum in its order), the quarters added in order.
+//   mla_unabsorb: one strided-batched cuBLASLt product over the heads; without a cuBLASLt algorithm,
+//     one warp per output row of W_uv, 8 tokens per CTA from shared memory.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -38,6 +41,7 @@
 #include <cstdint>
 
 #include "ops/cuda_bf16.cuh"
+#include "ops/linear.h"
 #include "ops/mla.h"
 
 namespace k3::ops::cuda {
@@ -99,6 +103,16 @@ __global__ void __launch_bounds__(kAbsThreads)
     if (tt < nt) q_lat[((t0 + tt) * H + h) * lat_stride + col] = __float2bfloat16_rn(acc[tt]);
 }
 
+// The cuBLASLt absorption's other half: q_lat[t, h, R:] = q_pe[t, h] (one thread per value).
+__global__ void mla_copy_pe_kernel(const bf16raw* __restrict__ q, bf16raw* __restrict__ q_lat, int64_t TH, int dn,
+                                   int P, int R) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < TH * P;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t th = i / P, pp = i % P;
+    q_lat[th * (R + P) + R + pp] = q[th * (dn + P) + dn + pp];
+  }
+}
+
 // ---------------------------------------------------------------- unabsorb
 constexpr int kUnWarps = 8;   // output rows (of dv) per CTA, one per warp
 constexpr int kUnTokens = 8;  // tokens per CTA
@@ -135,67 +149,88 @@ __global__ void __launch_bounds__(kUnWarps * 32)
 }
 
 // ---------------------------------------------------------------- lse_merge
-constexpr int kMergeThreads = 128;
+constexpr int kMergeCols = 128;    // columns of R per CTA
+constexpr int kMergeGroups = 4;    // thread groups per CTA, each over a contiguous quarter of the parts
+constexpr int kMergeThreads = kMergeCols * kMergeGroups;
 constexpr int kMaxMergeParts = 4096;
 constexpr int kMergeBatch = 16;  // parts whose loads are in flight together
 
-// CTA (th, column block): the parts' lse go to shared memory in one parallel pass; every thread then
-// forms the max and the sum over them in the CPU's order (from shared memory, fast) and merges its
-// column of the block. A serial pass over global memory per thread was latency bound (~50 us at the
-// 64 splits of one 8k context).
+// CTA (th, column block): the parts' lse go to shared memory in one parallel pass; their max is a block
+// reduction (exact in any order), the weights exp(lse - max) are formed in parallel, and thread 0 sums
+// them in the CPU's order. Group g of the threads then sums its quarter of the parts for its column, in
+// order, kMergeBatch loads in flight at a time, and the four partials are added in group order (the
+// result is fixed for a given D; it differs from the CPU's single sum only in rounding). One thread per
+// column over every part was latency bound: ~20 us for the ~130 splits of one request at 8k.
 __global__ void __launch_bounds__(kMergeThreads)
     lse_merge_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH, int R,
                      float* __restrict__ o, float* __restrict__ lse) {
   extern __shared__ float mw[];  // [D] weights, [D] the parts' lse
   float* ls = mw + D;
+  __shared__ float red[kMergeThreads / 32];
+  __shared__ float part[kMergeGroups - 1][kMergeCols];
+  __shared__ float inv_sum_s;
   const int64_t th = blockIdx.x;  // t * H + h
-  for (int d = threadIdx.x; d < D; d += kMergeThreads) ls[d] = lse_parts[d * TH + th];
-  __syncthreads();
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
   float m = -INFINITY;
-  bool any = false;
-  for (int d = 0; d < D; ++d) {
-    const float l = ls[d];
-    if (l == -INFINITY) continue;
-    any = true;
-    if (l > m) m = l;  // a NaN lse never becomes m but poisons the sum below
+  for (int d = tid; d < D; d += kMergeThreads) {
+    const float l = lse_parts[d * TH + th];
+    ls[d] = l;
+    m = fmaxf(m, l);  // a NaN lse never becomes the max (fmaxf drops it) but poisons the sum below
   }
+  // any: some part is not empty (-inf); NaN counts, as on the CPU.
+  bool any = false;
+  for (int d = tid; d < D; d += kMergeThreads) any |= ls[d] != -INFINITY;
+  any = __syncthreads_or(any);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
+#pragma unroll
+  for (int w = 1; w < kMergeThreads / 32; ++w) m = fmaxf(m, red[w]);
   float* oh = o + th * R;
-  const int r = blockIdx.y * kMergeThreads + threadIdx.x;
+  const int col = tid % kMergeCols, g = tid / kMergeCols;
+  const int r = blockIdx.y * kMergeCols + col;
   if (!any) {
-    if (r < R) oh[r] = 0.f;
-    if (blockIdx.y == 0 && threadIdx.x == 0) lse[th] = -INFINITY;
+    if (g == 0 && r < R) oh[r] = 0.f;
+    if (blockIdx.y == 0 && tid == 0) lse[th] = -INFINITY;
     return;
   }
-  float sum = 0.f;
-  for (int d = 0; d < D; ++d) {
-    const float l = ls[d];
-    if (l == -INFINITY) continue;
-    sum += expf(l - m);
-  }
-  const float inv_sum = 1.f / sum;
-  __syncthreads();  // every thread has read ls for the max and the sum
-  for (int d = threadIdx.x; d < D; d += kMergeThreads) mw[d] = ls[d] == -INFINITY ? 0.f : expf(ls[d] - m) * inv_sum;
+  for (int d = tid; d < D; d += kMergeThreads) mw[d] = ls[d] == -INFINITY ? 0.f : expf(ls[d] - m);
   __syncthreads();
+  if (tid == 0) {
+    float sum = 0.f;
+    for (int d = 0; d < D; ++d)
+      if (ls[d] != -INFINITY) sum += mw[d];  // the CPU's order
+    inv_sum_s = 1.f / sum;
+    if (blockIdx.y == 0) lse[th] = m + logf(sum);
+  }
+  __syncthreads();
+  const float inv_sum = inv_sum_s;
+  const int per = (D + kMergeGroups - 1) / kMergeGroups, d_begin = min(D, g * per), d_end = min(D, d_begin + per);
+  float acc = 0.f;
   if (r < R) {
-    // The CPU's order of the sum; the loads of kMergeBatch parts are issued before their sum (the
-    // split plan can give ~130 parts for one short batch).
-    float acc = 0.f;
-    for (int d0 = 0; d0 < D; d0 += kMergeBatch) {
+    for (int d0 = d_begin; d0 < d_end; d0 += kMergeBatch) {
       float v[kMergeBatch];
 #pragma unroll
       for (int u = 0; u < kMergeBatch; ++u) {
         const int d = d0 + u;
-        v[u] = d < D && ls[d] != -INFINITY ? o_parts[(d * TH + th) * R + r] : 0.f;
+        v[u] = d < d_end && ls[d] != -INFINITY ? o_parts[(d * TH + th) * R + r] : 0.f;
       }
 #pragma unroll
       for (int u = 0; u < kMergeBatch; ++u) {
         const int d = d0 + u;
-        if (d < D && ls[d] != -INFINITY) acc += mw[d] * v[u];  // empty parts skipped entirely, as the CPU does
+        if (d < d_end && ls[d] != -INFINITY) acc += (mw[d] * inv_sum) * v[u];  // empty parts skipped entirely
       }
     }
+  }
+  if (g > 0) part[g - 1][col] = acc;
+  __syncthreads();
+  if (g == 0 && r < R) {
+#pragma unroll
+    for (int i = 0; i < kMergeGroups - 1; ++i) acc += part[i][col];
     oh[r] = acc;
   }
-  if (blockIdx.y == 0 && threadIdx.x == 0) lse[th] = m + logf(sum);
 }
 
 int launch_lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, int H, int R, float* o, float* lse,
@@ -205,7 +240,7 @@ int launch_lse_merge(const float* o_parts, const float* lse_parts, int D, int64_
   if (TH == 0) return cudaSuccess;
   if (TH > 0x7fffffffLL) return cudaErrorInvalidValue;
   const size_t smem = sizeof(float) * 2 * static_cast<size_t>(D);
-  const dim3 grid(static_cast<unsigned>(TH), static_cast<unsigned>((R + kMergeThreads - 1) / kMergeThreads));
+  const dim3 grid(static_cast<unsigned>(TH), static_cast<unsigned>((R + kMergeCols - 1) / kMergeCols));
   lse_merge_kernel<<<grid, kMergeThreads, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
   return cudaGetLastError();
 }
@@ -1063,19 +1098,31 @@ int launch_attend(AttendParams p, int64_t groups, int rows_per_group, void* scra
 
 }  // namespace
 
-int mla_absorb_q(const bf16* q, const bf16* w_kvb, bf16* q_lat, int64_t T, int H, int dn, int P, int dv, int R,
-                 CUstream_st* stream) {
+int mla_absorb_q(const Context& ctx, const bf16* q, const bf16* w_kvb, bf16* q_lat, int64_t T, int H, int dn, int P,
+                 int dv, int R, LinearPath path) {
   if (T < 0 || H <= 0 || dn <= 0 || P < 0 || dv <= 0 || R <= 0 || H > 65535) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
+  const auto stream = reinterpret_cast<cudaStream_t>(ctx.stream);
+  const auto* qp = reinterpret_cast<const bf16raw*>(q);
+  auto* lp = reinterpret_cast<bf16raw*>(q_lat);
+  // Head h: q_lat[:, h, :R] [T, R] = q_nope[:, h] [T, dn] W_uk_h [dn, R].
+  if (path != LinearPath::Kernel &&
+      linear_batched_cublaslt(ctx, q, int64_t{H} * (dn + P), dn + P, w_kvb, R, int64_t{dn + dv} * R, false, q_lat,
+                              int64_t{H} * (R + P), R + P, T, dn, R, H)) {
+    if (P == 0) return cudaGetLastError();
+    const int64_t n = T * H * P;
+    mla_copy_pe_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(
+        qp, lp, T * H, dn, P, R);
+    return cudaGetLastError();
+  }
   const int64_t tiles = (T + kAbsTokens - 1) / kAbsTokens;
   if (tiles > 65535) return cudaErrorInvalidValue;
   const size_t smem = sizeof(float) * kAbsTokens * static_cast<size_t>((dn + 3) & ~3);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((R + kAbsThreads - 1) / kAbsThreads), static_cast<unsigned>(H),
                   static_cast<unsigned>(tiles));
-  mla_absorb_q_kernel<<<grid, kAbsThreads, smem, stream>>>(reinterpret_cast<const bf16raw*>(q),
-                                                           reinterpret_cast<const bf16raw*>(w_kvb),
-                                                           reinterpret_cast<bf16raw*>(q_lat), T, H, dn, P, dv, R);
+  mla_absorb_q_kernel<<<grid, kAbsThreads, smem, stream>>>(qp, reinterpret_cast<const bf16raw*>(w_kvb), lp, T, H, dn,
+                                                           P, dv, R);
   return cudaGetLastError();
 }
 
@@ -1139,18 +1186,22 @@ int lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, in
   return launch_lse_merge(o_parts, lse_parts, D, T, H, R, o, lse, stream);
 }
 
-int mla_unabsorb(const bf16* o_lat, const bf16* w_kvb, bf16* o, int64_t T, int H, int dn, int dv, int R,
-                 CUstream_st* stream) {
+int mla_unabsorb(const Context& ctx, const bf16* o_lat, const bf16* w_kvb, bf16* o, int64_t T, int H, int dn, int dv,
+                 int R, LinearPath path) {
   if (T < 0 || H <= 0 || dn <= 0 || dv <= 0 || R <= 0 || H > 65535) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
+  // Head h: o[:, h] [T, dv] = o_lat[:, h] [T, R] W_uv_h^T (W_uv_h [dv, R]).
+  if (path != LinearPath::Kernel && linear_batched_cublaslt(ctx, o_lat, int64_t{H} * R, R, w_kvb + int64_t{dn} * R, R, int64_t{dn + dv} * R,
+                                    true, o, int64_t{H} * dv, dv, T, R, dv, H))
+    return cudaGetLastError();
   const int64_t tiles = (T + kUnTokens - 1) / kUnTokens;
   const size_t smem = sizeof(float) * kUnTokens * static_cast<size_t>(R);
   if (tiles > 65535 || smem > 48 * 1024) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((dv + kUnWarps - 1) / kUnWarps), static_cast<unsigned>(H),
                   static_cast<unsigned>(tiles));
-  mla_unabsorb_kernel<<<grid, kUnWarps * 32, smem, stream>>>(reinterpret_cast<const bf16raw*>(o_lat),
-                                                             reinterpret_cast<const bf16raw*>(w_kvb),
-                                                             reinterpret_cast<bf16raw*>(o), T, H, dn, dv, R);
+  mla_unabsorb_kernel<<<grid, kUnWarps * 32, smem, reinterpret_cast<cudaStream_t>(ctx.stream)>>>(
+      reinterpret_cast<const bf16raw*>(o_lat), reinterpret_cast<const bf16raw*>(w_kvb),
+      reinterpret_cast<bf16raw*>(o), T, H, dn, dv, R);
   return cudaGetLastError();
 }
 

@@ -19,6 +19,7 @@
 
 #include "core/bf16.h"
 #include "ops/cuda_context.h"
+#include "ops/linear.h"
 
 namespace k3::ops {
 
@@ -45,9 +46,16 @@ void mla_unabsorb(const float* o_lat, const bf16* w_kvb, float* o, int64_t T, in
 // Flash-decoding: the context is split into chunks across CTAs (partials in scratch), merged like lse_merge.
 namespace k3::ops::cuda {
 
+// The per-head products of absorb and unabsorb take one of two paths (LinearPath, ops/linear.h): CublasLt
+// (and Auto) = one strided-batched cuBLASLt product over the heads (tensor cores, FP32 accumulation in its
+// own order; the kernels if it has no algorithm); Kernel = the hand-written kernels (FP32 sums in the
+// CPU's order, CUDA cores). On the H200 at K3's shapes cuBLASLt is faster at every token count measured,
+// 1 to 256 (absorb 7.3 -> 5.2 us at 1 token, 28 -> 7 us at 256; unabsorb 5.6 -> 4.6 and 91 -> 5 us;
+// docs/perf/ops_mla_absorb_1c51b40.log).
+
 // q BF16 [T, H, dn+P], w_kvb BF16 [H*(dn+dv), R] -> q_lat BF16 [T, H, R+P].
-int mla_absorb_q(const bf16* q, const bf16* w_kvb, bf16* q_lat, int64_t T, int H, int dn, int P, int dv, int R,
-                 CUstream_st* stream);
+int mla_absorb_q(const Context& ctx, const bf16* q, const bf16* w_kvb, bf16* q_lat, int64_t T, int H, int dn, int P,
+                 int dv, int R, LinearPath path = LinearPath::Auto);
 
 // Scratch bytes mla_attend_paged needs for B x q_len tokens whose context lengths are all <= max_ctx (0: none);
 // also enough for any call with fewer requests, fewer tokens per request or a smaller max_ctx.
@@ -78,7 +86,7 @@ int lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, in
               CUstream_st* stream);
 
 // o_lat BF16 [T, H, R], w_kvb as above -> o BF16 [T, H, dv].
-int mla_unabsorb(const bf16* o_lat, const bf16* w_kvb, bf16* o, int64_t T, int H, int dn, int dv, int R,
-                 CUstream_st* stream);
+int mla_unabsorb(const Context& ctx, const bf16* o_lat, const bf16* w_kvb, bf16* o, int64_t T, int H, int dn, int dv,
+                 int R, LinearPath path = LinearPath::Auto);
 
 }  // namespace k3::ops::cuda

@@ -492,7 +492,7 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
   K3_LAUNCH(cu::linear(ctx_, x, w.kv_a, kv, false, rows, D, E));
   K3_LAUNCH(cu::cache_write(kv, E, E, w.kv_a_norm, R, eps, d_pos0_.get<int32_t>(), B_, q_, d_tables_.get<int32_t>(),
                             max_pages_, o_.page_size, Dc, dr, kv_[i].get<bf16>(), s));
-  K3_LAUNCH(cu::mla_absorb_q(qf, w.kv_b, qlat, rows, H, dn, P, dv, R, s));
+  K3_LAUNCH(cu::mla_absorb_q(ctx_, qf, w.kv_b, qlat, rows, H, dn, P, dv, R));
   const float scale = 1.0f / std::sqrt(static_cast<float>(dn + P));
   // The queries attended here: this rank's heads, or (DCP) every DCP member's [Dc, rows, H, E], each
   // member's partial (o, lse) [Dc, rows, H, R] / [Dc, rows, H] sent back to it and merged below.
@@ -569,7 +569,7 @@ void GpuRank::attention(int l, const bf16* x, bf16* out) {
   }
   mark("mla.out");
   K3_LAUNCH(cu::to_bf16(olat, olat_bf, rows * H * R, s));
-  K3_LAUNCH(cu::mla_unabsorb(olat_bf, w.kv_b, o, rows, H, dn, dv, R, s));
+  K3_LAUNCH(cu::mla_unabsorb(ctx_, olat_bf, w.kv_b, o, rows, H, dn, dv, R));
   K3_LAUNCH(cu::linear(ctx_, x, w.g_proj, gate, false, rows, D, int64_t{H} * dv));
   K3_LAUNCH(cu::gate_sigmoid(o, gate, o, rows * H * dv, s));
   K3_LAUNCH(cu::linear(ctx_, o, w.o_proj, out, false, rows, int64_t{H} * dv, D));

@@ -803,6 +803,17 @@ TEST(CudaMoe, MoeExpertsMatchesCpuSmall) {
   check_moe_experts({24, 2, 64, 96, 4, 0, 4, 2}, 9160);
 }
 
+TEST(CudaMoe, MoeExpertsMatchesCpuWholeChunks) {
+  K3_REQUIRE_GPU();
+  // K a multiple of 128 both ways (every chunk whole, as at the K3 shapes). 96 pairs per expert: 4 passes
+  // of 24 tokens; UP 24 row tiles, DOWN 8.
+  check_moe_experts({96, 4, 256, 384, 4, 0, 4, 4}, 9300);
+  // 12 pairs per expert (two token tiles per pass); DOWN 4 row tiles.
+  check_moe_experts({24, 2, 128, 256, 4, 0, 4, 2}, 9310);
+  // 6 experts x 192 UP row tiles, more than one CTA range per slot; 32 pairs per expert: 2 passes.
+  check_moe_experts({64, 3, 256, 3072, 6, 0, 6, 3}, 9320);
+}
+
 TEST(CudaMoe, MoeExpertsMatchesCpuK3RankSlice) {
   K3_REQUIRE_GPU();
   // EP32: 28 of 896 experts (ids [280, 308)), k = 16, L = 3584, I = 3072.

@@ -20,6 +20,7 @@
 namespace k3 {
 namespace {
 
+using gputest::ctx;
 using gputest::download;
 using gputest::expect_close;
 using gputest::random_bf16_values;
@@ -35,6 +36,8 @@ const float kNaN = std::numeric_limits<float>::quiet_NaN();
 CUstream_st* st() { return gputest::ctx().stream; }
 
 DeviceBuffer up_bf16(const std::vector<float>& v) { return upload(to_bf16_vec(v)); }
+// n BF16 NaNs (all-ones bits): an output value a kernel never writes stays NaN and fails the comparison.
+void fill_nan_bf16(DeviceBuffer& b, size_t n) { ASSERT_EQ(cudaMemset(b.get(), 0xFF, n * sizeof(bf16)), cudaSuccess); }
 std::vector<float> down_bf16(const DeviceBuffer& d, size_t n) { return to_float_vec(download<bf16>(d, n)); }
 std::vector<float> down_f32(const DeviceBuffer& d, size_t n) { return download<float>(d, n); }
 std::vector<int32_t> down_i32(const DeviceBuffer& d, size_t n) { return download<int32_t>(d, n); }
@@ -369,30 +372,40 @@ TEST_P(MlaProjCuda, AbsorbAndUnabsorbMatchCpu) {
   const auto w = random_bf16_values(static_cast<size_t>(int64_t{s.H} * (s.dn + s.dv) * s.R), 31, 0.1);
   auto d_w = up_bf16(w);
   const auto w_b = to_bf16_vec(w);
-  {
-    const auto q = random_bf16_values(static_cast<size_t>(T * s.H * (s.dn + s.P)), 32, 1.0);
-    auto d_q = up_bf16(q);
-    DeviceBuffer d_lat(static_cast<size_t>(T * s.H * E) * sizeof(bf16));
-    K3_CU(ops::cuda::mla_absorb_q(d_q.get<bf16>(), d_w.get<bf16>(), d_lat.get<bf16>(), T, s.H, s.dn, s.P, s.dv, s.R,
-                                  st()));
-    std::vector<float> ref(static_cast<size_t>(T * s.H * E));
-    ops::mla_absorb_q(q.data(), w_b.data(), ref.data(), T, s.H, s.dn, s.P, s.dv, s.R);
-    expect_close(down_bf16(d_lat, ref.size()), ref, 5e-3, 0, "mla_absorb_q");
-  }
-  {
-    const auto ol = random_bf16_values(static_cast<size_t>(T * s.H * s.R), 33, 1.0);
-    auto d_ol = up_bf16(ol);
-    DeviceBuffer d_o(static_cast<size_t>(T * s.H * s.dv) * sizeof(bf16));
-    K3_CU(ops::cuda::mla_unabsorb(d_ol.get<bf16>(), d_w.get<bf16>(), d_o.get<bf16>(), T, s.H, s.dn, s.dv, s.R, st()));
-    std::vector<float> ref(static_cast<size_t>(T * s.H * s.dv));
-    ops::mla_unabsorb(ol.data(), w_b.data(), ref.data(), T, s.H, s.dn, s.dv, s.R);
-    expect_close(down_bf16(d_o, ref.size()), ref, 5e-3, 0, "mla_unabsorb");
+  // Every path: the kernels, cuBLASLt (the kernels where it has no algorithm), and Auto.
+  for (const auto path : {ops::cuda::LinearPath::Kernel, ops::cuda::LinearPath::CublasLt, ops::cuda::LinearPath::Auto}) {
+    SCOPED_TRACE(testing::Message() << "path " << static_cast<int>(path));
+    {
+      const auto q = random_bf16_values(static_cast<size_t>(T * s.H * (s.dn + s.P)), 32, 1.0);
+      auto d_q = up_bf16(q);
+      DeviceBuffer d_lat(static_cast<size_t>(T * s.H * E) * sizeof(bf16));
+      fill_nan_bf16(d_lat, static_cast<size_t>(T * s.H * E));  // every value must be written
+      K3_CU(ops::cuda::mla_absorb_q(ctx(), d_q.get<bf16>(), d_w.get<bf16>(), d_lat.get<bf16>(), T, s.H, s.dn, s.P,
+                                    s.dv, s.R, path));
+      std::vector<float> ref(static_cast<size_t>(T * s.H * E));
+      ops::mla_absorb_q(q.data(), w_b.data(), ref.data(), T, s.H, s.dn, s.P, s.dv, s.R);
+      expect_close(down_bf16(d_lat, ref.size()), ref, 5e-3, 0, "mla_absorb_q");
+    }
+    {
+      const auto ol = random_bf16_values(static_cast<size_t>(T * s.H * s.R), 33, 1.0);
+      auto d_ol = up_bf16(ol);
+      DeviceBuffer d_o(static_cast<size_t>(T * s.H * s.dv) * sizeof(bf16));
+      fill_nan_bf16(d_o, static_cast<size_t>(T * s.H * s.dv));
+      K3_CU(ops::cuda::mla_unabsorb(ctx(), d_ol.get<bf16>(), d_w.get<bf16>(), d_o.get<bf16>(), T, s.H, s.dn, s.dv, s.R,
+                                    path));
+      std::vector<float> ref(static_cast<size_t>(T * s.H * s.dv));
+      ops::mla_unabsorb(ol.data(), w_b.data(), ref.data(), T, s.H, s.dn, s.dv, s.R);
+      expect_close(down_bf16(d_o, ref.size()), ref, 5e-3, 0, "mla_unabsorb");
+    }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MlaProjCuda,
                          ::testing::Values(MlaProj{1, 12, 128, 64, 128, 512},   // K3 TP8, plain decode
+                                           MlaProj{4, 12, 128, 64, 128, 512},   // q = 4: 4-token CTAs
+                                           MlaProj{3, 3, 21, 8, 24, 40},        // 4-token CTAs, odd dn
                                            MlaProj{37, 12, 128, 64, 128, 512},  // several token tiles
+                                           MlaProj{256, 12, 128, 64, 128, 512}, // B 64 x q 4
                                            MlaProj{5, 8, 16, 8, 16, 32},        // tiny preset
                                            MlaProj{9, 3, 21, 8, 24, 40}));      // odd dn
 
@@ -453,6 +466,8 @@ TEST_P(LseMergeCuda, MatchesCpuSkipsEmptyPartsNeverNaN) {
 INSTANTIATE_TEST_SUITE_P(Shapes, LseMergeCuda,
                          ::testing::Values(MergeShape{1, 4, 12, 512}, MergeShape{3, 4, 12, 512},
                                            MergeShape{8, 3, 12, 512}, MergeShape{2, 3, 5, 33},
+                                           MergeShape{128, 1, 12, 512},  // one request's 128 splits
+                                           MergeShape{130, 2, 3, 40},    // parts past a whole load batch
                                            MergeShape{0, 2, 3, 16}));
 
 // ---------------------------------------------------------------- paged cache helpers
