@@ -8,8 +8,7 @@
 //     (in-thread, then over the 8 row groups of the warp with shuffles). Columns past the
 //     token's context get -inf.
 //   topk_indices: one CTA of 1024 threads per row. A radix select (4 passes of 8 bits over
-//     order-preserving keys, NaN as -inf, -0 as +0; one histogram atomic per distinct digit in a
-//     warp) finds the k-th largest key; the keys
+//     order-preserving keys, NaN as -inf, -0 as +0) finds the k-th largest key; the keys
 //     above it and the lowest-index ties equal to it (a block scan in index order) are
 //     gathered as 64-bit (key, ~index) pairs and bitonic-sorted descending in shared
 //     memory, which is exactly (score desc, index asc) - the CPU's order.
@@ -221,14 +220,11 @@ __global__ void __launch_bounds__(kTopkThreads)
         }
 #pragma unroll
         for (int u = 0; u < kHistUnroll; ++u) {
-          // One shared atomic per distinct digit in the warp: the leading digits of similar scores are
-          // nearly all equal, and 32 lanes adding to one counter serialize.
           const int i = base + u * kTopkThreads + tid;
-          const uint32_t key = float_key(v[u]);
-          const bool take = i < n && (key & mask) == prefix;
-          const uint32_t digit = take ? (key >> shift) & 255u : 256u;
-          const unsigned peers = __match_any_sync(0xffffffffu, digit);
-          if (take && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], static_cast<unsigned>(__popc(peers)));
+          if (i < n) {
+            const uint32_t key = float_key(v[u]);
+            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+          }
         }
       }
       __syncthreads();
@@ -374,11 +370,7 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
   // Each CTA's tiles run one after another (a round trip to memory each): few tokens take one tile per
   // CTA to spread over the SMs (one token at 8k: 16 CTAs of 8 tiles were ~25 us), many take up to
   // kIdxMaxChunkTiles per CTA, so the query tile staged per CTA stays a small share of the traffic.
-  static int sms[64] = {};
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
-  if (sms[dev] == 0 && cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) sms[dev] = 132;
-  const int64_t tiles = T * ((max_ctx + kKT - 1) / kKT), want_ctas = 4 * int64_t{sms[dev]};
+  const int64_t tiles = T * ((max_ctx + kKT - 1) / kKT), want_ctas = 4 * int64_t{detail::device_sm_count()};
   p.chunk = kKT * static_cast<int>(std::clamp<int64_t>((tiles + want_ctas - 1) / want_ctas, 1, kIdxMaxChunkTiles));
   const dim3 grid(static_cast<unsigned>((max_ctx + p.chunk - 1) / p.chunk), static_cast<unsigned>(T));
   dsa_index_scores_kernel<<<grid, kIdxThreads, smem, stream>>>(p);

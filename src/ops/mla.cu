@@ -29,8 +29,9 @@
 //     Many groups (>= kTile16MinGroups) of at most 16 rows take mla_attend16_kernel instead (the
 //     earlier 16-row, 32-entry-tile kernel, namespace tile16): with one ~170 KB CTA of 4 warps per SM
 //     the kernel above streams slowly, while the 16-row kernel fits several CTAs per SM.
-//   lse_merge: one CTA per (token, head, 128 columns), four thread groups over quarters of the parts;
-//     weights exp(lse_i - max) / sum as the CPU (the sum in its order), the quarters added in order.
+//   lse_merge: one CTA per (token, head, 128 columns), four thread groups over quarters of the parts
+//     when the CTAs are few, else one; weights exp(lse_i - max) / sum as the CPU (the sum in its
+//     order), the groups' partials added in order.
 //   mla_unabsorb: one strided-batched cuBLASLt product over the heads; without a cuBLASLt algorithm,
 //     one warp per output row of W_uv, 8 tokens per CTA from shared memory.
 #include <cuda_bf16.h>
@@ -150,24 +151,25 @@ __global__ void __launch_bounds__(kUnWarps * 32)
 
 // ---------------------------------------------------------------- lse_merge
 constexpr int kMergeCols = 128;    // columns of R per CTA
-constexpr int kMergeGroups = 4;    // thread groups per CTA, each over a contiguous quarter of the parts
-constexpr int kMergeThreads = kMergeCols * kMergeGroups;
 constexpr int kMaxMergeParts = 4096;
 constexpr int kMergeBatch = 16;  // parts whose loads are in flight together
 
 // CTA (th, column block): the parts' lse go to shared memory in one parallel pass; their max is a block
 // reduction (exact in any order), the weights exp(lse - max) are formed in parallel, and thread 0 sums
-// them in the CPU's order. Group g of the threads then sums its quarter of the parts for its column, in
-// order, kMergeBatch loads in flight at a time, and the four partials are added in group order (the
-// result is fixed for a given D; it differs from the CPU's single sum only in rounding). One thread per
-// column over every part was latency bound: ~20 us for the ~130 splits of one request at 8k.
-__global__ void __launch_bounds__(kMergeThreads)
+// them in the CPU's order. Group g of the G thread groups then sums its share of the parts (contiguous,
+// in order) for its column, kMergeBatch loads in flight at a time, and the G partials are added in group
+// order (fixed for a given D and G; it differs from the CPU's single sum only in rounding). G = 4 when the
+// CTAs are few (one thread per column over ~130 splits was latency bound, ~20 us for one request at
+// 8k), G = 1 when they fill the GPU (4 groups were slower there: 30 -> 46 us at 64 tokens of 33 parts).
+template <int G>
+__global__ void __launch_bounds__(kMergeCols * G)
     lse_merge_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH, int R,
                      float* __restrict__ o, float* __restrict__ lse) {
+  constexpr int kMergeThreads = kMergeCols * G;
   extern __shared__ float mw[];  // [D] weights, [D] the parts' lse
   float* ls = mw + D;
   __shared__ float red[kMergeThreads / 32];
-  __shared__ float part[kMergeGroups - 1][kMergeCols];
+  __shared__ float part[G][kMergeCols];  // groups 1.. (row 0 unused)
   __shared__ float inv_sum_s;
   const int64_t th = blockIdx.x;  // t * H + h
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
@@ -207,7 +209,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   }
   __syncthreads();
   const float inv_sum = inv_sum_s;
-  const int per = (D + kMergeGroups - 1) / kMergeGroups, d_begin = min(D, g * per), d_end = min(D, d_begin + per);
+  const int per = (D + G - 1) / G, d_begin = min(D, g * per), d_end = min(D, d_begin + per);
   float acc = 0.f;
   if (r < R) {
     for (int d0 = d_begin; d0 < d_end; d0 += kMergeBatch) {
@@ -224,11 +226,11 @@ __global__ void __launch_bounds__(kMergeThreads)
       }
     }
   }
-  if (g > 0) part[g - 1][col] = acc;
-  __syncthreads();
+  if (g > 0) part[g][col] = acc;
+  if (G > 1) __syncthreads();
   if (g == 0 && r < R) {
 #pragma unroll
-    for (int i = 0; i < kMergeGroups - 1; ++i) acc += part[i][col];
+    for (int i = 1; i < G; ++i) acc += part[i][col];
     oh[r] = acc;
   }
 }
@@ -241,7 +243,10 @@ int launch_lse_merge(const float* o_parts, const float* lse_parts, int D, int64_
   if (TH > 0x7fffffffLL) return cudaErrorInvalidValue;
   const size_t smem = sizeof(float) * 2 * static_cast<size_t>(D);
   const dim3 grid(static_cast<unsigned>(TH), static_cast<unsigned>((R + kMergeCols - 1) / kMergeCols));
-  lse_merge_kernel<<<grid, kMergeThreads, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
+  if (int64_t{grid.x} * grid.y < 4 * int64_t{detail::device_sm_count()})
+    lse_merge_kernel<4><<<grid, kMergeCols * 4, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
+  else
+    lse_merge_kernel<1><<<grid, kMergeCols, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
   return cudaGetLastError();
 }
 

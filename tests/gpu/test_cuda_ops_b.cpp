@@ -468,6 +468,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LseMergeCuda,
                                            MergeShape{8, 3, 12, 512}, MergeShape{2, 3, 5, 33},
                                            MergeShape{128, 1, 12, 512},  // one request's 128 splits
                                            MergeShape{130, 2, 3, 40},    // parts past a whole load batch
+                                           MergeShape{33, 64, 12, 512},  // enough CTAs for one thread group
                                            MergeShape{0, 2, 3, 16}));
 
 // ---------------------------------------------------------------- paged cache helpers
