@@ -207,12 +207,12 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
       DeviceBuffer q = random_buffer(maxT * H * (dn + P) * 2, 0, s, 22), qlat(maxT * H * E * 2);
       DeviceBuffer olat = random_buffer(maxT * H * R * 2, 0, s, 23), o(maxT * H * dv * 2);
       const double wbytes = double(H) * dn * R * 2;
-      fmt::print("  tokens   absorb: kernel  cublasLt    auto   unabsorb: kernel  cublasLt    auto   (W_uk, W_uv: {:.1f} us "
-                 "each at bandwidth)\n",
+      fmt::print("  tokens   absorb: kernel  cublasLt    auto   unabsorb: kernel  cublasLt    auto   "
+                 "(W_uk, W_uv: {:.1f} us each at bandwidth)\n",
                  wbytes / bw * 1e6);
       for (int64_t T : {int64_t{1}, int64_t{4}, int64_t{8}, int64_t{16}, int64_t{64}, int64_t{256}}) {
         double ta[3], tu[3];
-        const ops::cuda::LinearPath paths[3] = {cu::LinearPath::Kernel, cu::LinearPath::CublasLt, cu::LinearPath::Auto};
+        const cu::LinearPath paths[3] = {cu::LinearPath::Kernel, cu::LinearPath::CublasLt, cu::LinearPath::Auto};
         for (int i = 0; i < 3; ++i) {
           ta[i] = time_us(s, [&] {
             K3_OK(cu::mla_absorb_q(ctx, q.get<bf16>(), w.get<bf16>(), qlat.get<bf16>(), T, H, dn, P, dv, R, paths[i]));
@@ -221,15 +221,16 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
             K3_OK(cu::mla_unabsorb(ctx, olat.get<bf16>(), w.get<bf16>(), o.get<bf16>(), T, H, dn, dv, R, paths[i]));
           });
         }
-        fmt::print("  {:>6}   {:>14.1f} {:>9.1f} {:>7.1f}   {:>16.1f} {:>9.1f} {:>7.1f}\n", T, ta[0], ta[1], ta[2], tu[0],
-                   tu[1], tu[2]);
+        fmt::print("  {:>6}   {:>14.1f} {:>9.1f} {:>7.1f}   {:>16.1f} {:>9.1f} {:>7.1f}\n", T, ta[0], ta[1], ta[2],
+                   tu[0], tu[1], tu[2]);
         record("mla_absorb_q", fmt::format("T{}", T), ta[2], wbytes,
                {{"T", T}, {"kernel_us", ta[0]}, {"cublaslt_us", ta[1]}});
         record("mla_unabsorb", fmt::format("T{}", T), tu[2], wbytes,
                {{"T", T}, {"kernel_us", tu[0]}, {"cublaslt_us", tu[1]}});
       }
       for (auto [D, T] : std::vector<std::pair<int, int64_t>>{{132, 1}, {132, 4}, {33, 64}}) {
-        DeviceBuffer parts = random_buffer(int64_t{D} * T * H * R * 4, 1, s, 24), lp = random_buffer(D * T * H * 4, 1, s, 25);
+        DeviceBuffer parts = random_buffer(int64_t{D} * T * H * R * 4, 1, s, 24),
+                     lp = random_buffer(int64_t{D} * T * H * 4, 1, s, 25);
         DeviceBuffer om(T * H * R * 4), lm(T * H * 4);
         const double tm = time_us(s, [&] {
           K3_OK(cu::lse_merge(parts.get<float>(), lp.get<float>(), D, T, H, R, om.get<float>(), lm.get<float>(), s));

@@ -1,7 +1,8 @@
 // CUDA kernels of the DSA lightning indexer and its top-k (see dsa.h for the math).
 //
 //   dsa_index_scores_paged: a CTA (4 warps) owns one token and a chunk of 64 to 512 candidate
-//     positions (fewer when the step has few tokens, so the CTAs cover the SMs). q_idx [Hi, Di] and the per-head weights sit in shared memory; key tiles of
+//     positions (fewer when the step has few tokens, so the CTAs cover the SMs). q_idx [Hi, Di]
+//     and the per-head weights sit in shared memory; key tiles of
 //     64 (gathered through the block table with cp.async) are multiplied on tensor cores
 //     (mma.sync m16n8k16, BF16 inputs, FP32 accumulation; warp w: keys 16w .. 16w+15,
 //     all heads as M tiles), then relu, weighted by w_h and summed over the heads in FP32

@@ -1,8 +1,8 @@
 // CUDA kernels of the absorbed Gated MLA decode (see mla.h for the math).
 //
 //   mla_absorb_q: one strided-batched cuBLASLt product over the heads (ops/linear.h), q_pe copied
-//     beside it; without a cuBLASLt algorithm, per (head, 128 columns of R, 16 tokens) CTA; q_nope of the tokens in
-//     shared memory, each thread one column, W_uk read once per CTA (coalesced rows),
+//     beside it; without a cuBLASLt algorithm, per (head, 128 columns of R, 16 tokens) CTA; q_nope of
+//     the tokens in shared memory, each thread one column, W_uk read once per CTA (coalesced rows),
 //     FP32 sums over dn in the CPU's order, rounded to BF16; q_pe copied through.
 //   mla_attend_paged / mla_attend_indexed: flash decoding on tensor cores (mma.sync m16n8k16,
 //     BF16 inputs, FP32 accumulation, fragments through ldmatrix). Dense rows are the (token,
@@ -261,8 +261,8 @@ constexpr int kMaxPairs = 8;                   // 16-column pairs of R per warp:
 constexpr int kMaxR = 16 * kMaxPairs * kColWarps;
 constexpr int kPS = kBN + 8;  // row stride (elements) of the P tiles: 144 B, conflict-free ldmatrix
 constexpr int kSMs = 132;     // H200; the split plan's only device assumption (a heuristic)
-constexpr int kMaxSplitCtas = 2 * kSMs;
-constexpr int kTile16MinGroups = 8;  // groups of <= 16 rows from this many on take the 16-row kernel (below)  // a plan with splits never launches more CTAs (bounds the scratch)
+constexpr int kMaxSplitCtas = 2 * kSMs;  // a plan with splits never launches more CTAs (bounds the scratch)
+constexpr int kTile16MinGroups = 8;  // groups of <= 16 rows from this many on take the 16-row kernel (below)
 
 static_assert(kBN == 16 * kQKWarps, "QK mapping: 16 entries per QK warp");
 static_assert(kQKWarps <= kColWarps, "the QK warps are warps of M tile 0");
@@ -1196,8 +1196,9 @@ int mla_unabsorb(const Context& ctx, const bf16* o_lat, const bf16* w_kvb, bf16*
   if (T < 0 || H <= 0 || dn <= 0 || dv <= 0 || R <= 0 || H > 65535) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   // Head h: o[:, h] [T, dv] = o_lat[:, h] [T, R] W_uv_h^T (W_uv_h [dv, R]).
-  if (path != LinearPath::Kernel && linear_batched_cublaslt(ctx, o_lat, int64_t{H} * R, R, w_kvb + int64_t{dn} * R, R, int64_t{dn + dv} * R,
-                                    true, o, int64_t{H} * dv, dv, T, R, dv, H))
+  if (path != LinearPath::Kernel &&
+      linear_batched_cublaslt(ctx, o_lat, int64_t{H} * R, R, w_kvb + int64_t{dn} * R, R, int64_t{dn + dv} * R, true,
+                              o, int64_t{H} * dv, dv, T, R, dv, H))
     return cudaGetLastError();
   const int64_t tiles = (T + kUnTokens - 1) / kUnTokens;
   const size_t smem = sizeof(float) * kUnTokens * static_cast<size_t>(R);

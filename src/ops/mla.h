@@ -50,8 +50,8 @@ namespace k3::ops::cuda {
 // (and Auto) = one strided-batched cuBLASLt product over the heads (tensor cores, FP32 accumulation in its
 // own order; the kernels if it has no algorithm); Kernel = the hand-written kernels (FP32 sums in the
 // CPU's order, CUDA cores). On the H200 at K3's shapes cuBLASLt is faster at every token count measured,
-// 1 to 256 (absorb 7.3 -> 5.2 us at 1 token, 28 -> 7 us at 256; unabsorb 5.6 -> 4.6 and 91 -> 5 us;
-// docs/perf/ops_mla_absorb_1c51b40.log).
+// 1 to 256 (kernel -> cuBLASLt: absorb 11.7 -> 3.7 us at 1 token, 26.1 -> 5.8 us at 256; unabsorb 5.5 ->
+// 3.3 and 91.4 -> 3.4 us; docs/perf/ops_mla_aba16b5.log).
 
 // q BF16 [T, H, dn+P], w_kvb BF16 [H*(dn+dv), R] -> q_lat BF16 [T, H, R+P].
 int mla_absorb_q(const Context& ctx, const bf16* q, const bf16* w_kvb, bf16* q_lat, int64_t T, int H, int dn, int P,

@@ -373,7 +373,8 @@ TEST_P(MlaProjCuda, AbsorbAndUnabsorbMatchCpu) {
   auto d_w = up_bf16(w);
   const auto w_b = to_bf16_vec(w);
   // Every path: the kernels, cuBLASLt (the kernels where it has no algorithm), and Auto.
-  for (const auto path : {ops::cuda::LinearPath::Kernel, ops::cuda::LinearPath::CublasLt, ops::cuda::LinearPath::Auto}) {
+  using ops::cuda::LinearPath;
+  for (const auto path : {LinearPath::Kernel, LinearPath::CublasLt, LinearPath::Auto}) {
     SCOPED_TRACE(testing::Message() << "path " << static_cast<int>(path));
     {
       const auto q = random_bf16_values(static_cast<size_t>(T * s.H * (s.dn + s.P)), 32, 1.0);
@@ -402,8 +403,8 @@ TEST_P(MlaProjCuda, AbsorbAndUnabsorbMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, MlaProjCuda,
                          ::testing::Values(MlaProj{1, 12, 128, 64, 128, 512},   // K3 TP8, plain decode
-                                           MlaProj{4, 12, 128, 64, 128, 512},   // q = 4: 4-token CTAs
-                                           MlaProj{3, 3, 21, 8, 24, 40},        // 4-token CTAs, odd dn
+                                           MlaProj{4, 12, 128, 64, 128, 512},   // q = 4
+                                           MlaProj{3, 3, 21, 8, 24, 40},        // few tokens, odd dn
                                            MlaProj{37, 12, 128, 64, 128, 512},  // several token tiles
                                            MlaProj{256, 12, 128, 64, 128, 512}, // B 64 x q 4
                                            MlaProj{5, 8, 16, 8, 16, 32},        // tiny preset
