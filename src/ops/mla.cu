@@ -13,9 +13,9 @@
 //     (R+P)-wide entries stream through shared memory (cp.async, double buffered, a warp copies 512
 //     contiguous bytes); the pool row of each entry (block table, DSA selection) is looked up two
 //     tiles ahead, between this tile's steps, so the copies never wait on it. Per tile, 4 barriers:
-//       S = scale Q E^T: warps 0..3 take 16 entries each for every M tile (one ldmatrix of E
-//         feeds MT M tiles; 2 MT independent accumulators, the odd k steps split off when MT = 1),
-//         mask (entry j < the row's length), row max of their 16 entries to shared memory;
+//       S = scale Q E^T: the 4 warps of an M tile take 16 entries each (4 accumulator chains, the
+//         odd k steps split off), mask (entry j < the row's length), row max of their 16 entries
+//         to shared memory (warps 0..3 computing every M tile left 2/3 of the warps idle);
 //       online softmax in FP32 in the same warps: tile max from the 4 partial maxima, p =
 //         exp(s - m) split into BF16 hi + lo (~16 mantissa bits: the FP32 weights of the CPU
 //         within ~1e-5) stored as the A operand, partial row sums; thread r updates l of row r;
@@ -256,7 +256,7 @@ constexpr int kMaxMT = 3;                      // M tiles (16 query rows each) p
 constexpr int kMaxRows = 16 * kMaxMT;          // query rows per CTA
 constexpr int kColWarps = 4;                   // warps per M tile, each a quarter of R in P.V
 constexpr int kThreadsPerMT = 32 * kColWarps;  // blockDim.x = kThreadsPerMT * MT
-constexpr int kQKWarps = 4;                    // warps 0..3 compute S, entries 16 w .. 16 w + 15 each
+constexpr int kQKWarps = 4;                    // warps per M tile in S: entries 16 w .. 16 w + 15 each
 constexpr int kMaxPairs = 8;                   // 16-column pairs of R per warp: R <= 16 * 8 * 4 = 512
 constexpr int kMaxR = 16 * kMaxPairs * kColWarps;
 constexpr int kPS = kBN + 8;  // row stride (elements) of the P tiles: 144 B, conflict-free ldmatrix
@@ -265,7 +265,7 @@ constexpr int kMaxSplitCtas = 2 * kSMs;  // a plan with splits never launches mo
 constexpr int kTile16MinGroups = 8;  // groups of <= 16 rows from this many on take the 16-row kernel (below)
 
 static_assert(kBN == 16 * kQKWarps, "QK mapping: 16 entries per QK warp");
-static_assert(kQKWarps <= kColWarps, "the QK warps are warps of M tile 0");
+static_assert(kQKWarps == kColWarps, "warp (M tile, w) computes S of its M tile, entries 16 w ..");
 static_assert(2 * kBN <= kThreadsPerMT, "prologue: one thread per row index of tiles 0 and 1");
 
 // Row stride (elements) of the Q and entry tiles: K padded to 16 (zeros), +8 elements so that
@@ -407,52 +407,35 @@ using detail::mma_bf16_16816;
 __device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// S (+)= Q E^T for NMT M tiles and the 16 entries of a QK warp, K = ek16 (zero padded): per k step one
-// x4 of E (two n8 tiles: b0, b1 of each) and one x4 of Q per M tile, so 2 NMT independent accumulator
-// chains. With one M tile the odd k steps go to the idle slot 1 (4 chains), added at the end (FP32,
-// another summation order). q_addr, e_addr: this lane's ldmatrix row addresses at k = 0.
-template <int NMT>
-__device__ __forceinline__ void qk_tile(float (&sv)[kMaxMT][2][4], uint32_t q_addr, uint32_t e_addr, int ek16,
-                                        int es) {
-  if constexpr (NMT == 1) {
-    int kk = 0;
+// S (+)= Q E^T for one M tile and the 16 entries of a warp, K = ek16 (zero padded): per pair of k steps
+// two x4 of E (two n8 tiles: b0, b1 of each) and two x4 of Q; the odd k steps go to slot 1 (4
+// independent accumulator chains), added at the end (FP32, another summation order). q_addr, e_addr:
+// this lane's ldmatrix row addresses at k = 0.
+__device__ __forceinline__ void qk_tile(float (&sv)[2][2][4], uint32_t q_addr, uint32_t e_addr, int ek16) {
+  int kk = 0;
 #pragma unroll 1
-    for (; kk + 16 < ek16; kk += 32) {
-      uint32_t b0[4], b1[4], a0[4], a1[4];
-      ldsm_x4(b0, e_addr + kk * 2);
-      ldsm_x4(a0, q_addr + kk * 2);
-      ldsm_x4(b1, e_addr + (kk + 16) * 2);
-      ldsm_x4(a1, q_addr + (kk + 16) * 2);
-      mma_bf16_16816(sv[0][0], a0[0], a0[1], a0[2], a0[3], b0[0], b0[1]);
-      mma_bf16_16816(sv[0][1], a0[0], a0[1], a0[2], a0[3], b0[2], b0[3]);
-      mma_bf16_16816(sv[1][0], a1[0], a1[1], a1[2], a1[3], b1[0], b1[1]);
-      mma_bf16_16816(sv[1][1], a1[0], a1[1], a1[2], a1[3], b1[2], b1[3]);
-    }
-    if (kk < ek16) {
-      uint32_t b0[4], a0[4];
-      ldsm_x4(b0, e_addr + kk * 2);
-      ldsm_x4(a0, q_addr + kk * 2);
-      mma_bf16_16816(sv[0][0], a0[0], a0[1], a0[2], a0[3], b0[0], b0[1]);
-      mma_bf16_16816(sv[0][1], a0[0], a0[1], a0[2], a0[3], b0[2], b0[3]);
-    }
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) sv[0][n][i] += sv[1][n][i];
-  } else {
-#pragma unroll 2
-    for (int kk = 0; kk < ek16; kk += 16) {
-      uint32_t bq[4];
-      ldsm_x4(bq, e_addr + kk * 2);
-#pragma unroll
-      for (int mt = 0; mt < NMT; ++mt) {
-        uint32_t a[4];
-        ldsm_x4(a, q_addr + (16 * mt * es + kk) * 2);
-        mma_bf16_16816(sv[mt][0], a[0], a[1], a[2], a[3], bq[0], bq[1]);
-        mma_bf16_16816(sv[mt][1], a[0], a[1], a[2], a[3], bq[2], bq[3]);
-      }
-    }
+  for (; kk + 16 < ek16; kk += 32) {
+    uint32_t b0[4], b1[4], a0[4], a1[4];
+    ldsm_x4(b0, e_addr + kk * 2);
+    ldsm_x4(a0, q_addr + kk * 2);
+    ldsm_x4(b1, e_addr + (kk + 16) * 2);
+    ldsm_x4(a1, q_addr + (kk + 16) * 2);
+    mma_bf16_16816(sv[0][0], a0[0], a0[1], a0[2], a0[3], b0[0], b0[1]);
+    mma_bf16_16816(sv[0][1], a0[0], a0[1], a0[2], a0[3], b0[2], b0[3]);
+    mma_bf16_16816(sv[1][0], a1[0], a1[1], a1[2], a1[3], b1[0], b1[1]);
+    mma_bf16_16816(sv[1][1], a1[0], a1[1], a1[2], a1[3], b1[2], b1[3]);
   }
+  if (kk < ek16) {
+    uint32_t b0[4], a0[4];
+    ldsm_x4(b0, e_addr + kk * 2);
+    ldsm_x4(a0, q_addr + kk * 2);
+    mma_bf16_16816(sv[0][0], a0[0], a0[1], a0[2], a0[3], b0[0], b0[1]);
+    mma_bf16_16816(sv[0][1], a0[0], a0[1], a0[2], a0[3], b0[2], b0[3]);
+  }
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sv[0][n][i] += sv[1][n][i];
 }
 
 template <bool INDEXED>
@@ -566,14 +549,11 @@ __global__ void __launch_bounds__(kThreadsPerMT * kMaxMT, 1) mla_attend_kernel(c
   load_tile(0);
   cp_async_commit();
 
-  // QK warps (warp < kQKWarps): S for entries 16 nq .. 16 nq + 15 of the tile and every M tile; they
-  // also run the softmax of those entries and keep each of their rows' running max.
-  const int nq = warp;
-  float m_run[kMaxMT][2];
-#pragma unroll
-  for (int mt = 0; mt < kMaxMT; ++mt) m_run[mt][0] = m_run[mt][1] = -INFINITY;
-  // P.V warps (all): M tile pm, 16-column pairs [pp0, pp0 + npw) of R.
+  // Warp (M tile pm, cq): in S the scores of its M tile's rows and entries 16 cq .. 16 cq + 15 of the
+  // tile, and their softmax (the 4 warps of an M tile keep the same running max of its rows); in P.V
+  // the 16-column pairs [pp0, pp0 + npw) of R for its M tile's rows.
   const int pm = warp / kColWarps, cq = warp % kColWarps;
+  float m_run[2] = {-INFINITY, -INFINITY};
   const int NP = (R + 15) / 16, npw = (NP + kColWarps - 1) / kColWarps, pp0 = cq * npw;
   float acc[kMaxPairs][2][4];
 #pragma unroll
@@ -584,9 +564,9 @@ __global__ void __launch_bounds__(kThreadsPerMT * kMaxMT, 1) mla_attend_kernel(c
   // ldmatrix lane addresses (bytes). A fragments (Q, P): row lane % 16, column 8 (lane / 16).
   // QK B (E rows = entries, non-trans): entry (lane % 8) + 8 (lane / 16), column 8 ((lane / 8) % 2).
   // PV B (E rows = entries, trans): entry (lane % 8) + 8 ((lane / 8) % 2), column 8 (lane / 16).
-  const uint32_t q_addr = smem_u32(Qs) + ((lane & 15) * es + (lane >> 4) * 8) * 2;
+  const uint32_t q_addr = smem_u32(Qs) + ((16 * pm + (lane & 15)) * es + (lane >> 4) * 8) * 2;
   const uint32_t qk_b_addr =
-      smem_u32(Es) + ((16 * nq + (lane & 7) + ((lane >> 4) << 3)) * es + ((lane >> 3) & 1) * 8) * 2;
+      smem_u32(Es) + ((16 * cq + (lane & 7) + ((lane >> 4) << 3)) * es + ((lane >> 3) & 1) * 8) * 2;
   const uint32_t pa_off = ((16 * pm + (lane & 15)) * kPS + (lane >> 4) * 8) * 2;
   const uint32_t phi_addr = smem_u32(Phi) + pa_off, plo_addr = smem_u32(Plo) + pa_off;
   const uint32_t pv_b_addr = smem_u32(Es) + (((lane & 7) + ((lane >> 3) & 1) * 8) * es + (lane >> 4) * 8) * 2;
@@ -604,85 +584,69 @@ __global__ void __launch_bounds__(kThreadsPerMT * kMaxMT, 1) mla_attend_kernel(c
     // spread over this tile's math so that its global loads are not waited for.
     const int look_pos = tid < kBN ? entry_pos(j0 + 2 * kBN + tid) : -1;
 
-    float sv[kMaxMT][2][4];  // QK warps: S, then the masked scaled scores, then p
-    if (warp < kQKWarps) {
+    // S of this warp's M tile (2 chains per n8 tile, summed into sv[0]), then the masked scaled scores, then p.
+    float sv[2][2][4];
+    {
 #pragma unroll
-      for (int mt = 0; mt < kMaxMT; ++mt)
+      for (int c = 0; c < 2; ++c)
 #pragma unroll
-        for (int n = 0; n < 2; ++n) sv[mt][n][0] = sv[mt][n][1] = sv[mt][n][2] = sv[mt][n][3] = 0.f;
-      if (MT == 1)
-        qk_tile<1>(sv, q_addr, qk_b_addr + tile_off, ek16, es);
-      else if (MT == 2)
-        qk_tile<2>(sv, q_addr, qk_b_addr + tile_off, ek16, es);
-      else
-        qk_tile<3>(sv, q_addr, qk_b_addr + tile_off, ek16, es);
+        for (int n = 0; n < 2; ++n) sv[c][n][0] = sv[c][n][1] = sv[c][n][2] = sv[c][n][3] = 0.f;
+      qk_tile(sv, q_addr, qk_b_addr + tile_off, ek16);
       // Scale, mask (entry j visible to row r iff j < min(len_r, c1)), the row max of these 16 entries.
 #pragma unroll
-      for (int mt = 0; mt < kMaxMT; ++mt) {
-        if (mt < MT) {
+      for (int h = 0; h < 2; ++h) {
+        const int r = 16 * pm + 8 * h + g;
+        const int lim = min(len_s[r], c1);
+        float mx = -INFINITY;
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = 16 * mt + 8 * h + g;
-            const int lim = min(len_s[r], c1);
-            float mx = -INFINITY;
+        for (int n = 0; n < 2; ++n)
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
-#pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int j = j0 + 16 * nq + 8 * n + 2 * tq + c;
-                const float v = j < lim ? p.scale * sv[mt][n][2 * h + c] : -INFINITY;
-                sv[mt][n][2 * h + c] = v;
-                mx = fmaxf(mx, v);
-              }
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            if (tq == 0) red_max[nq * QR + r] = mx;
+          for (int c = 0; c < 2; ++c) {
+            const int j = j0 + 16 * cq + 8 * n + 2 * tq + c;
+            const float v = j < lim ? p.scale * sv[0][n][2 * h + c] : -INFINITY;
+            sv[0][n][2 * h + c] = v;
+            mx = fmaxf(mx, v);
           }
-        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if (tq == 0) red_max[cq * QR + r] = mx;
       }
     }
     __syncthreads();  // B1: red_max
 
-    // Online softmax, FP32: every QK thread forms the tile max of its rows from the 4 partial maxima
-    // (the same values in the same order in each warp, so their running maxima agree), writes
-    // p = exp(s - m) as BF16 hi + lo and the partial row sums; warp 0 publishes the correction.
-    if (warp < kQKWarps) {
+    // Online softmax, FP32: every thread forms the tile max of its rows from the 4 partial maxima (the
+    // same values in the same order in each warp of the M tile, so their running maxima agree), writes
+    // p = exp(s - m) as BF16 hi + lo and the partial row sums; warp cq = 0 of the M tile publishes the
+    // correction.
 #pragma unroll
-      for (int mt = 0; mt < kMaxMT; ++mt) {
-        if (mt < MT) {
+    for (int h = 0; h < 2; ++h) {
+      const int r = 16 * pm + 8 * h + g;
+      const float tmax = fmaxf(fmaxf(red_max[r], red_max[QR + r]), fmaxf(red_max[2 * QR + r], red_max[3 * QR + r]));
+      const float m_new = fmaxf(m_run[h], tmax);
+      float corr = 1.f, pv[4] = {0.f, 0.f, 0.f, 0.f};
+      if (m_new != -INFINITY) {
+        corr = expf(m_run[h] - m_new);
+        pv[0] = expf(sv[0][0][2 * h] - m_new);
+        pv[1] = expf(sv[0][0][2 * h + 1] - m_new);
+        pv[2] = expf(sv[0][1][2 * h] - m_new);
+        pv[3] = expf(sv[0][1][2 * h + 1] - m_new);
+      }
+      m_run[h] = m_new;
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int r = 16 * mt + 8 * h + g;
-            const float tmax =
-                fmaxf(fmaxf(red_max[r], red_max[QR + r]), fmaxf(red_max[2 * QR + r], red_max[3 * QR + r]));
-            const float m_new = fmaxf(m_run[mt][h], tmax);
-            float corr = 1.f, pv[4] = {0.f, 0.f, 0.f, 0.f};
-            if (m_new != -INFINITY) {
-              corr = expf(m_run[mt][h] - m_new);
-              pv[0] = expf(sv[mt][0][2 * h] - m_new);
-              pv[1] = expf(sv[mt][0][2 * h + 1] - m_new);
-              pv[2] = expf(sv[mt][1][2 * h] - m_new);
-              pv[3] = expf(sv[mt][1][2 * h + 1] - m_new);
-            }
-            m_run[mt][h] = m_new;
-#pragma unroll
-            for (int n = 0; n < 2; ++n) {
-              const bf16raw h0 = __float2bfloat16_rn(pv[2 * n]), h1 = __float2bfloat16_rn(pv[2 * n + 1]);
-              const bf16raw l0 = __float2bfloat16_rn(pv[2 * n] - __bfloat162float(h0));
-              const bf16raw l1 = __float2bfloat16_rn(pv[2 * n + 1] - __bfloat162float(h1));
-              const int col = 16 * nq + 8 * n + 2 * tq;
-              *reinterpret_cast<uint32_t*>(Phi + r * kPS + col) = pack_bf16(h0, h1);
-              *reinterpret_cast<uint32_t*>(Plo + r * kPS + col) = pack_bf16(l0, l1);
-            }
-            float psum = (pv[0] + pv[1]) + (pv[2] + pv[3]);
-            psum += __shfl_xor_sync(0xffffffffu, psum, 1);
-            psum += __shfl_xor_sync(0xffffffffu, psum, 2);
-            if (tq == 0) {
-              red_sum[nq * QR + r] = psum;
-              if (nq == 0) corr_s[r] = corr;
-            }
-          }
-        }
+      for (int n = 0; n < 2; ++n) {
+        const bf16raw h0 = __float2bfloat16_rn(pv[2 * n]), h1 = __float2bfloat16_rn(pv[2 * n + 1]);
+        const bf16raw l0 = __float2bfloat16_rn(pv[2 * n] - __bfloat162float(h0));
+        const bf16raw l1 = __float2bfloat16_rn(pv[2 * n + 1] - __bfloat162float(h1));
+        const int col = 16 * cq + 8 * n + 2 * tq;
+        *reinterpret_cast<uint32_t*>(Phi + r * kPS + col) = pack_bf16(h0, h1);
+        *reinterpret_cast<uint32_t*>(Plo + r * kPS + col) = pack_bf16(l0, l1);
+      }
+      float psum = (pv[0] + pv[1]) + (pv[2] + pv[3]);
+      psum += __shfl_xor_sync(0xffffffffu, psum, 1);
+      psum += __shfl_xor_sync(0xffffffffu, psum, 2);
+      if (tq == 0) {
+        red_sum[cq * QR + r] = psum;
+        if (cq == 0) corr_s[r] = corr;
       }
     }
     const int look_page = tid < kBN ? entry_page(look_pos) : -1;
@@ -726,13 +690,9 @@ __global__ void __launch_bounds__(kThreadsPerMT * kMaxMT, 1) mla_attend_kernel(c
     __syncthreads();  // B3: the next iteration's copy overwrites this tile; rows_s of tile it + 2
   }
 
-  if (warp == 0 && tq == 0) {
-#pragma unroll
-    for (int mt = 0; mt < kMaxMT; ++mt)
-      if (mt < MT) {
-        m_s[16 * mt + g] = m_run[mt][0];
-        m_s[16 * mt + 8 + g] = m_run[mt][1];
-      }
+  if (cq == 0 && tq == 0) {
+    m_s[16 * pm + g] = m_run[0];
+    m_s[16 * pm + 8 + g] = m_run[1];
   }
   __syncthreads();
 
