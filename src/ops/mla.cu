@@ -673,15 +673,24 @@ __global__ void __launch_bounds__(kThreadsPerMT * kMaxMT, 1) mla_attend_kernel(c
         uint32_t ah[4], al[4];
         ldsm_x4(ah, phi_addr + ks * 2);
         ldsm_x4(al, plo_addr + ks * 2);
+        // Two pairs at a time, the hi products before the lo ones: an accumulator's next MMA is 4 MMAs
+        // after its previous one (hi, lo back to back waited on each other).
 #pragma unroll
-        for (int i = 0; i < kMaxPairs; ++i) {
-          if (i < npw && pp0 + i < NP) {
-            uint32_t bv[4];
-            ldsm_x4_trans(bv, pv_b_addr + tile_off + (ks * es + 16 * (pp0 + i)) * 2);
-            mma_bf16_16816(acc[i][0], ah[0], ah[1], ah[2], ah[3], bv[0], bv[1]);
-            mma_bf16_16816(acc[i][0], al[0], al[1], al[2], al[3], bv[0], bv[1]);
-            mma_bf16_16816(acc[i][1], ah[0], ah[1], ah[2], ah[3], bv[2], bv[3]);
-            mma_bf16_16816(acc[i][1], al[0], al[1], al[2], al[3], bv[2], bv[3]);
+        for (int i0 = 0; i0 < kMaxPairs; i0 += 2) {
+          uint32_t bv[2][4];
+#pragma unroll
+          for (int d = 0; d < 2; ++d)
+            if (i0 + d < npw && pp0 + i0 + d < NP)
+              ldsm_x4_trans(bv[d], pv_b_addr + tile_off + (ks * es + 16 * (pp0 + i0 + d)) * 2);
+#pragma unroll
+          for (int part = 0; part < 2; ++part) {
+            const uint32_t* a = part == 0 ? ah : al;
+#pragma unroll
+            for (int d = 0; d < 2; ++d)
+              if (i0 + d < npw && pp0 + i0 + d < NP) {
+                mma_bf16_16816(acc[i0 + d][0], a[0], a[1], a[2], a[3], bv[d][0], bv[d][1]);
+                mma_bf16_16816(acc[i0 + d][1], a[0], a[1], a[2], a[3], bv[d][2], bv[d][3]);
+              }
           }
         }
       }

@@ -335,15 +335,17 @@ __global__ void __launch_bounds__(kSplitThreads, 2)
 #pragma unroll
               for (int p = 0; p < 4; ++p) a[m][h][p] = scale_bf16x2(a[m][h][p], sc);
             }
+          // Both operands' first k step, then their second: an accumulator's two MMAs are not back to back.
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
             if (j < nt) {
               const uint4 b = u.b[j][q];
 #pragma unroll
-              for (int m = 0; m < 2; ++m) {
+              for (int m = 0; m < 2; ++m)
                 mma_bf16_16816(acc[m][j], a[m][0][0], a[m][1][0], a[m][0][1], a[m][1][1], b.x, b.y);
+#pragma unroll
+              for (int m = 0; m < 2; ++m)
                 mma_bf16_16816(acc[m][j], a[m][0][2], a[m][1][2], a[m][0][3], a[m][1][3], b.z, b.w);
-              }
             }
           }
         }
@@ -535,13 +537,13 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
 #pragma unroll
               for (int p = 0; p < 4; ++p) a[h][p] = scale_bf16x2(a[h][p], sc);
             }
+            // Every token tile's first k step, then their second: an accumulator's two MMAs are nt apart.
 #pragma unroll
-            for (int j = 0; j < NT; ++j) {
-              if (j < nt) {
-                mma_bf16_16816(acc[m][j], a[0][0], a[1][0], a[0][1], a[1][1], b[j].x, b[j].y);
-                mma_bf16_16816(acc[m][j], a[0][2], a[1][2], a[0][3], a[1][3], b[j].z, b[j].w);
-              }
-            }
+            for (int j = 0; j < NT; ++j)
+              if (j < nt) mma_bf16_16816(acc[m][j], a[0][0], a[1][0], a[0][1], a[1][1], b[j].x, b[j].y);
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+              if (j < nt) mma_bf16_16816(acc[m][j], a[0][2], a[1][2], a[0][3], a[1][3], b[j].z, b[j].w);
           }
         }
       };
