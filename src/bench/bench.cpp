@@ -260,6 +260,13 @@ int run_bench(const BenchArgs& args) {
             fmt::print("            {:>9.0f}us {:>5.1f}% {:>5.0f}x {}\n", k.us, 100 * k.us / tr.kernel_us, k.calls,
                        k.name.substr(0, 90));
           kernels.push_back({{"name", k.name}, {"calls", k.calls}, {"us", k.us}});
+        }
+        nlohmann::json gaps = nlohmann::json::array();
+        for (size_t i = 0; i < tr.gap_before.size(); ++i) {
+          const auto& k = tr.gap_before[i];
+          if (args.profile && i < 5)
+            fmt::print("            gap {:>7.0f}us {:>5.0f}x before {}\n", k.us, k.calls, k.name.substr(0, 90));
+          gaps.push_back({{"before", k.name}, {"gaps", k.calls}, {"us", k.us}});
         }        nlohmann::json breakdown = nlohmann::json::object(), op_bytes_json = nlohmann::json::object();
         if (args.profile) {
           std::vector<std::pair<std::string, double>> prof;
@@ -306,6 +313,7 @@ int run_bench(const BenchArgs& args) {
                            {"trace_busy_us", tr.busy_us},
                            {"trace_gap_us", tr.gap_us},
                            {"trace_kernels", kernels},
+                           {"trace_gaps_before", gaps},
                            {"commit", args.commit}});
         if (!args.json.empty()) {  // rewritten after every point: a run cut short keeps what it measured
           std::ofstream out(args.json);

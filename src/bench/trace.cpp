@@ -21,7 +21,7 @@ namespace {
 struct Interval {
   uint64_t start, end;
   bool kernel;
-  std::string name;  // kernels
+  std::string name;  // the kernel's, or memcpy / memset
 };
 
 // "ns::kernel<T>(args)" from a mangled name: the demangled name up to its argument list.
@@ -63,12 +63,12 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       }
       case CUPTI_ACTIVITY_KIND_MEMCPY: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
-        g_sink->push_back({m->start, m->end, false, {}});
+        g_sink->push_back({m->start, m->end, false, "memcpy"});
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMSET: {
         const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
-        g_sink->push_back({m->start, m->end, false, {}});
+        g_sink->push_back({m->start, m->end, false, "memset"});
         break;
       }
       default:
@@ -93,6 +93,7 @@ TraceSummary trace_steps(const std::function<void()>& replay, int reps) {
   std::vector<double> kernels, copies, kernel_us, busy, span;
   std::vector<Interval> iv;
   std::map<std::string, std::pair<double, double>> per_kernel;  // name -> (calls, us) over all replays
+  std::map<std::string, std::pair<double, double>> per_gap;     // next operation -> (gaps, us) over all replays
   for (int r = 0; r < reps; ++r) {
     if (cudaDeviceSynchronize() != cudaSuccess) return out;
     iv.clear();
@@ -118,6 +119,9 @@ TraceSummary trace_steps(const std::function<void()>& replay, int reps) {
       }
       if (i.start > cur_e) {
         covered += (cur_e - cur_s) * 1e-3;
+        auto& [gaps, gus] = per_gap[i.name];
+        gaps += 1;
+        gus += (i.start - cur_e) * 1e-3;
         cur_s = i.start;
         cur_e = i.end;
       } else {
@@ -142,8 +146,10 @@ TraceSummary trace_steps(const std::function<void()>& replay, int reps) {
   for (size_t i = 0; i < span.size(); ++i) gaps.push_back(span[i] - busy[i]);
   out.gap_us = k3::median(gaps);
   for (const auto& [name, cu] : per_kernel) out.by_kernel.push_back({name, cu.first / reps, cu.second / reps});
-  std::sort(out.by_kernel.begin(), out.by_kernel.end(),
-            [](const TraceSummary::Kernel& a, const TraceSummary::Kernel& b) { return a.us > b.us; });
+  for (const auto& [name, gu] : per_gap) out.gap_before.push_back({name, gu.first / reps, gu.second / reps});
+  const auto by_time = [](const TraceSummary::Kernel& a, const TraceSummary::Kernel& b) { return a.us > b.us; };
+  std::sort(out.by_kernel.begin(), out.by_kernel.end(), by_time);
+  std::sort(out.gap_before.begin(), out.gap_before.end(), by_time);
   return out;
 }
 

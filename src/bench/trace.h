@@ -4,7 +4,8 @@
 //   busy_us:          the union of the operations' [start, end] intervals;
 //   span_us:          first start to last end;
 //   gap_us:           span - busy, the time inside the step not covered by any kernel or copy
-//                     (launch latency between dependent nodes, host work, waits).
+//                     (launch latency between dependent nodes, host work, waits), and by the operation
+//                     that ended each gap (gap_before).
 // Each replay is traced on its own (CUPTI enabled around it, flushed after); the summary is the
 // median over replays. Tracing adds overhead per operation, so trace times are reported beside the
 // untraced CUDA-event medians, not in their place.
@@ -26,6 +27,9 @@ struct TraceSummary {
     double calls = 0, us = 0;  // per step (mean over the traced replays)
   };
   std::vector<Kernel> by_kernel;  // descending time
+  // The uncovered time by the operation that ended it (kernel name, "memcpy" or "memset"): each gap
+  // between the busy intervals is charged to the operation starting after it (calls: gaps per step).
+  std::vector<Kernel> gap_before;  // descending time
 };
 
 // Runs `replay` (it enqueues one step; tracing synchronizes the device after it) `reps` times under CUPTI.
