@@ -512,7 +512,7 @@ int attn_res(const AttnResCudaArgs& a, CUstream_st* stream) {
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
   if (cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev); e != cudaSuccess) return e;
   if (major >= 9 && vec) {
-    if (cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev); e != cudaSuccess) return e;
+    sms = detail::device_sm_count();
     int64_t limit = 0, sm_bytes = 0, cta_extra = 0;
     if (cudaError_t e = ar_smem_limits(dev, limit, sm_bytes, cta_extra); e != cudaSuccess) return e;
     const int nsrc = a.num_blocks + 1;

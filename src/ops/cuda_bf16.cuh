@@ -121,7 +121,8 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// SMs of the current device (host; queried once per device, 132 if the query fails).
+// SMs of the current device (host; queried once per device, 132 if the query fails): the one source of
+// the SM count (Context::sm_count is set from it).
 inline int device_sm_count() {
   static int sms[64] = {};
   int dev = 0;

@@ -1,6 +1,7 @@
 #include <cublasLt.h>
 
 #include "core/cuda.h"
+#include "ops/cuda_bf16.cuh"
 #include "ops/cuda_context.h"
 
 namespace k3::ops::cuda {
@@ -11,7 +12,7 @@ Context create_context() {
   CUDA_CHECK(cudaGetDevice(&dev));
   cudaDeviceProp prop{};
   CUDA_CHECK(cudaGetDeviceProperties(&prop, dev));
-  c.sm_count = prop.multiProcessorCount;
+  c.sm_count = detail::device_sm_count();  // the one query of the SM count (launchers without a Context use it too)
   c.cc_major = prop.major;
   c.cc_minor = prop.minor;
   K3_CHECK(prop.major >= 9, "GPU {} is sm_{}{}: this build targets Hopper (sm_90a); rebuild with "
