@@ -256,7 +256,7 @@ constexpr int kMaxMT = 3;                      // M tiles (16 query rows each) p
 constexpr int kMaxRows = 16 * kMaxMT;          // query rows per CTA
 constexpr int kColWarps = 4;                   // warps per M tile, each a quarter of R in P.V
 constexpr int kThreadsPerMT = 32 * kColWarps;  // blockDim.x = kThreadsPerMT * MT
-constexpr int kQKWarps = 4;                    // warps per M tile in S: entries 16 w .. 16 w + 15 each
+constexpr int kQKWarps = kColWarps;            // the same warps in S: entries 16 w .. 16 w + 15 each
 constexpr int kMaxPairs = 8;                   // 16-column pairs of R per warp: R <= 16 * 8 * 4 = 512
 constexpr int kMaxR = 16 * kMaxPairs * kColWarps;
 constexpr int kPS = kBN + 8;  // row stride (elements) of the P tiles: 144 B, conflict-free ldmatrix
@@ -265,7 +265,6 @@ constexpr int kMaxSplitCtas = 2 * kSMs;  // a plan with splits never launches mo
 constexpr int kTile16MinGroups = 8;  // groups of <= 16 rows from this many on take the 16-row kernel (below)
 
 static_assert(kBN == 16 * kQKWarps, "QK mapping: 16 entries per QK warp");
-static_assert(kQKWarps == kColWarps, "warp (M tile, w) computes S of its M tile, entries 16 w ..");
 static_assert(2 * kBN <= kThreadsPerMT, "prologue: one thread per row index of tiles 0 and 1");
 
 // Row stride (elements) of the Q and entry tiles: K padded to 16 (zeros), +8 elements so that
