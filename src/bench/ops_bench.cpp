@@ -9,6 +9,9 @@
 #include <algorithm>
 #include <fstream>
 #include <functional>
+#include <string>
+#include <vector>
+
 #include <nlohmann/json.hpp>
 
 #include "bench/bench.h"
@@ -142,11 +145,23 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
       }
       const cu::Mxfp4ExpertTable table{dev[0], dev[1], dev[2], dev[3], dev[4], dev[5]};
       const double expert_bytes = 3.0 * (I * L / 2 + I * L / 32);
-      for (auto [n, r] : std::vector<std::pair<int, int>>{{2, 1}, {16, 1}, {28, 1}, {28, 2}, {28, 4}, {28, 8}, {28, 16},
-                                                         {28, 32}, {28, 64}}) {
-        const int64_t rows = int64_t{n} * r;
+      // r rows on each of n experts; r = 0: the rank slice's pair counts (B = 32 q = 1 ... B = 64 q = 4: m k / 8
+      // pairs) drawn uniformly over the 28 experts, so the experts' counts vary as in the step.
+      struct Case {
+        int n, r;
+        int64_t drawn;
+      };
+      for (const Case c : std::vector<Case>{{2, 1, 0}, {16, 1, 0}, {28, 1, 0}, {28, 2, 0}, {28, 4, 0}, {28, 8, 0},
+                                            {28, 16, 0}, {28, 32, 0}, {28, 64, 0}, {28, 0, 128}, {28, 0, 256},
+                                            {28, 0, 512}}) {
+        const int n = c.n, r = c.r;
+        const int64_t rows = r > 0 ? int64_t{n} * r : c.drawn;
         std::vector<int32_t> idx(static_cast<size_t>(rows));
-        for (int64_t i = 0; i < rows; ++i) idx[i] = static_cast<int32_t>(i % n);
+        uint64_t state = 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(rows);
+        for (int64_t i = 0; i < rows; ++i) {
+          state = state * 6364136223846793005ull + 1442695040888963407ull;  // LCG; the top bits pick the expert
+          idx[i] = static_cast<int32_t>(r > 0 ? i % n : static_cast<int64_t>((state >> 33) % static_cast<uint64_t>(n)));
+        }
         std::vector<float> wts(static_cast<size_t>(rows), 1.0f);
         DeviceBuffer d_idx(rows * 4), d_w(rows * 4), z = random_buffer(rows * L * 2, 0, s, 3), y(rows * L * 2);
         CUDA_CHECK(cudaMemcpy(d_idx.get(), idx.data(), rows * 4, cudaMemcpyHostToDevice));
@@ -156,13 +171,15 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
           K3_OK(cu::moe_experts(ctx, z.get<bf16>(), d_idx.get<int32_t>(), d_w.get<float>(), table, 0, E, y.get<bf16>(),
                                 scratch.get(), rows, 1, L, I, ops::SituParams{}));
         });
-        const double bytes = n * expert_bytes;
+        std::vector<int32_t> touched = idx;
+        std::sort(touched.begin(), touched.end());
+        const double bytes = double(std::unique(touched.begin(), touched.end()) - touched.begin()) * expert_bytes;
         const double mma_us = double(rows) * 6.0 * double(I) * double(L) / flops * 1e6;  // W1, W3, W2 products
-        fmt::print("  {:>2} experts x {:>2} rows: {:>9.1f} us, floor {:>7.1f} us, {:>5.0f}% of bandwidth; "
-                   "compute floor {:>6.1f} us\n",
-                   n, r, us, bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us, mma_us);
-        record("moe_experts", fmt::format("{} experts x {} rows", n, r), us, bytes,
-               {{"experts", n}, {"rows", r}, {"compute_floor_us", mma_us}});
+        const std::string label = r > 0 ? fmt::format("{} experts x {} rows", n, r)
+                                        : fmt::format("{} experts, {} pairs drawn", n, rows);
+        fmt::print("  {:>26}: {:>9.1f} us, floor {:>7.1f} us, {:>5.0f}% of bandwidth; compute floor {:>6.1f} us\n",
+                   label, us, bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us, mma_us);
+        record("moe_experts", label, us, bytes, {{"experts", n}, {"rows", r}, {"pairs", rows}, {"compute_floor_us", mma_us}});
       }
     }
 
