@@ -22,6 +22,7 @@
 //     of the HBM bandwidth at 24 pairs per pass).
 // Both stream the weights through registers one chunk ahead of use.
 #include <algorithm>
+#include <climits>
 
 #include "ops/cuda_bf16.cuh"
 #include "ops/moe.h"
@@ -34,19 +35,26 @@ using detail::aligned16;
 using detail::kWarp;
 
 
-// The routing plan in scratch (int32): n_active, then [pairs] each of slot_expert, slot_begin,
-// slot_count (slots of the experts in use, ascending expert) and pair_list (pair ids grouped by slot).
+// The routing plan in scratch (int32): n_active, n_passes, then [pairs] each of slot_expert, slot_begin,
+// slot_count, slot_pass_begin (slots of the experts in use, ascending expert; the exclusive prefix of their
+// passes of `cols` token columns, n_passes the total) and pair_list (pair ids grouped by slot).
 struct Plan {
   int* n_active;
+  int* n_passes;
   int* slot_expert;
   int* slot_begin;
   int* slot_count;
+  int* slot_pass_begin;
   int* pair_list;
 };
 
+constexpr int kPlanHeader = 2;
+constexpr int kPlanArrays = 5;
+static_assert(kPlanHeader == 2 && kPlanArrays == 5, "moe_experts_scratch_bytes (moe.h) sizes the plan as [2 + 5 pairs]");
 __host__ __device__ inline Plan plan_at(void* scratch, int64_t pairs) {
   int* m = static_cast<int*>(scratch);
-  return Plan{m, m + 1, m + 1 + pairs, m + 1 + 2 * pairs, m + 1 + 3 * pairs};
+  int* a = m + kPlanHeader;
+  return Plan{m, m + 1, a, a + pairs, a + 2 * pairs, a + 3 * pairs, a + 4 * pairs};
 }
 
 // Exclusive block scan of (a, b); totals returned too. Every thread calls it; ends with a barrier.
@@ -81,7 +89,8 @@ __device__ void block_exclusive_scan2(int& a, int& b, int& total_a, int& total_b
 constexpr int kPlanThreads = 1024;
 
 __global__ void __launch_bounds__(kPlanThreads)
-    moe_plan_kernel(const int32_t* __restrict__ idx, int64_t pairs, int expert_begin, int expert_count, Plan plan) {
+    moe_plan_kernel(const int32_t* __restrict__ idx, int64_t pairs, int expert_begin, int expert_count, int cols,
+                    Plan plan) {
   extern __shared__ int plan_smem[];  // cnt [expert_count], cursor [expert_count]
   __shared__ int wt[kPlanThreads / kWarp][2];
   int* cnt = plan_smem;
@@ -96,20 +105,23 @@ __global__ void __launch_bounds__(kPlanThreads)
   // Each thread scans a contiguous range of experts: pair offsets and slots of the experts in use.
   const int per = (expert_count + blockDim.x - 1) / blockDim.x;
   const int lo = min(expert_count, static_cast<int>(threadIdx.x) * per), hi = min(expert_count, lo + per);
-  int a = 0, b = 0;
-  for (int e = lo; e < hi; ++e) a += cnt[e], b += cnt[e] > 0;
-  int total_a, total_b;
+  int a = 0, b = 0, c = 0, unused = 0;
+  for (int e = lo; e < hi; ++e) a += cnt[e], b += cnt[e] > 0, c += (cnt[e] + cols - 1) / cols;
+  int total_a, total_b, total_c, total_unused;
   block_exclusive_scan2(a, b, total_a, total_b, wt);
+  block_exclusive_scan2(c, unused, total_c, total_unused, wt);
   for (int e = lo; e < hi; ++e) {
     if (cnt[e] == 0) continue;
     plan.slot_expert[b] = e;
     plan.slot_begin[b] = a;
     plan.slot_count[b] = cnt[e];
+    plan.slot_pass_begin[b] = c;
     cursor[e] = a;
     a += cnt[e];
+    c += (cnt[e] + cols - 1) / cols;
     ++b;
   }
-  if (threadIdx.x == 0) *plan.n_active = total_b;
+  if (threadIdx.x == 0) *plan.n_active = total_b, *plan.n_passes = total_c;
   __syncthreads();
   // Pair order inside an expert's group follows the atomics; every pair is computed alone, so results do not.
   for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
@@ -401,8 +413,8 @@ __device__ __forceinline__ int x_piece(int p, int r) { return p ^ (((p >> 3) & 1
 constexpr size_t mma_ring_bytes(int nt) { return size_t{kStages} * nt * kTokTile * kChunkK * 2; }
 static_assert(hole_offset(mma_ring_bytes(3) - 1) < kLutBytes, "the ring fits the table's holes");
 
-// More pairs per expert (2 or 3 token tiles per pass): moe_mma_kernel<NT>. A CTA walks a contiguous
-// range of groups = (slot, 4 consecutive tiles of output rows); warp w owns tile
+// More pairs per expert (2 or 3 token tiles per pass): moe_mma_kernel<NT>. A CTA walks a contiguous,
+// even share of the units = (slot, group j of 4 consecutive tiles of output rows, pass); warp w owns tile
 // 4 j + w of the group over the whole K, so no partial sums are exchanged. UP: a tile is 16 rows of W1 and
 // the same 16 rows of W3 (two A operands sharing the B fragments), epilogue h = bf16(situ(bf16(W1 z),
 // bf16(W3 z))); DOWN: a tile is 32 rows of W2 (two A operands), epilogue o = bf16(W2 h). A pass takes up
@@ -423,18 +435,33 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
   // bytes are two holes, so column c of a stage is at stage_base + 512 c + hole_offset(piece offset).
   extern __shared__ __align__(16) unsigned char lut[];
   constexpr uint32_t kStageBytes = 2 * kCols * kChunkK * 2;  // a stage's span: its bytes and its rows' tables
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
+  // Work units (slot, group, pass of kCols token columns), in that order, so that a CTA's passes over the same
+  // rows run back to back (the later ones find the weights in L2). Each CTA takes an even share of the units:
+  // an expert with more pairs spreads over more CTAs instead of lengthening a few. The plan's totals and the
+  // first 32 slots' pass offsets are loaded before the table is filled, which hides their latency.
+  const int64_t gps = (tiles_per_slot + kWarps - 1) / kWarps;  // groups per slot
+  const int n_active = *plan.n_active;
+  const int64_t units = static_cast<int64_t>(*plan.n_passes) * gps;
+  int pass_begin = lane < n_active ? plan.slot_pass_begin[lane] : INT_MAX;
   fill_lut(lut);
   const uint32_t lut_s = smem_u32(lut);
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
   const uint32_t lane4 = 4u * static_cast<uint32_t>(lane);
   // The lane's B-fragment offsets in a stage, step q (token tile j: + 8 j columns = 4096 j bytes).
   uint32_t roff[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) roff[q] = 512u * g + hole_offset(16u * x_piece(4 * t + q, g));
-  const int64_t gps = (tiles_per_slot + kWarps - 1) / kWarps;  // groups per slot
-  const int64_t groups = static_cast<int64_t>(*plan.n_active) * gps;
-  const int64_t per = (groups + gridDim.x - 1) / gridDim.x;
-  const int64_t g_begin = static_cast<int64_t>(blockIdx.x) * per, g_end = min(groups, g_begin + per);
+  const int64_t u_begin = units * blockIdx.x / gridDim.x, u_end = units * (blockIdx.x + 1) / gridDim.x;
+  // The slot of unit u_begin: the last one whose units begin at or before it. The pass offsets ascend, so
+  // the slots at or before it are a prefix: 32 slots per ballot.
+  int slot = 0;
+  for (int base = 0;;) {
+    const unsigned at_or_before = __ballot_sync(0xffffffffu, gps * pass_begin <= u_begin);
+    if (at_or_before != 0) slot = base + __popc(at_or_before) - 1;
+    base += kWarp;
+    if (at_or_before != 0xffffffffu || base >= n_active) break;
+    pass_begin = base + lane < n_active ? plan.slot_pass_begin[base + lane] : INT_MAX;
+  }
   const int chunks = static_cast<int>((K + kChunkK - 1) / kChunkK), full = static_cast<int>(K / kChunkK);
   const int64_t row_bytes = K / 2, row_scales = K / 32;
   // The lane's group in the last chunk may lie past K (K % 128 != 0): its weights are read from chunk 0
@@ -442,142 +469,146 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
   const bool tail_ok = full * kChunkK + 32 * t < K;
   const int tg = 32 * t < K ? t : 0;  // the lane's group in chunk 0 (a group past a short row: group 0)
   // Staging: thread -> pieces tid + 128 r (r < NT) of a chunk: token column c / 16, piece c % 16.
-  for (int64_t grp = g_begin; grp < g_end; ++grp) {
-    const int slot = static_cast<int>(grp / gps);
-    const int64_t tile_raw = (grp % gps) * kWarps + warp;
-    const bool live = tile_raw < tiles_per_slot;
-    const int64_t tile = live ? tile_raw : tiles_per_slot - 1;  // an idle warp computes a real tile, unstored
+  for (int64_t u = u_begin; u < u_end; ++slot) {
     const int e = plan.slot_expert[slot], begin = plan.slot_begin[slot], count = plan.slot_count[slot];
-    // A rows g (pointers per operand) and g + 8 (hop bytes further).
-    const uint8_t* ap[2];
-    const uint8_t* as[2];
+    const int passes = (count + kCols - 1) / kCols;
+    const int64_t ub = gps * plan.slot_pass_begin[slot], ue = min(u_end, ub + gps * passes);
+    for (; u < ue; ++u) {
+      const int64_t tile_raw = (u - ub) / passes * kWarps + warp;
+      const bool live = tile_raw < tiles_per_slot;
+      const int64_t tile = live ? tile_raw : tiles_per_slot - 1;  // an idle warp computes a real tile, unstored
+      // A rows g (pointers per operand) and g + 8 (hop bytes further).
+      const uint8_t* ap[2];
+      const uint8_t* as[2];
 #pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const uint8_t* base = UP ? (m == 0 ? ex.w1_packed[e] : ex.w3_packed[e]) : ex.w2_packed[e];
-      const uint8_t* sbase = UP ? (m == 0 ? ex.w1_scale[e] : ex.w3_scale[e]) : ex.w2_scale[e];
-      const int64_t row = (UP ? tile * 16 : tile * 32 + 16 * m) + g;
-      ap[m] = base + row * row_bytes + 16 * tg;
-      as[m] = sbase + row * row_scales + tg;
-    }
-    // (N, a multiple of 32 as moe_experts checks, holds whole tiles: every row is real.)
-    const int64_t hop = 8 * row_bytes, shop = 8 * row_scales;
-    for (int t0 = 0; t0 < count; t0 += kCols) {
-      const int nt = min(NT, (count - t0 + kTokTile - 1) / kTokTile);  // CTA-uniform
-      // This thread's staged pieces: sources (columns past count repeat a real token) and ring offsets.
-      const bf16* xsrc[NT];
-      uint32_t xdst[NT];
-#pragma unroll
-      for (int r = 0; r < NT; ++r) {
-        const int c = threadIdx.x + kMmaThreads * r, col = c / 16, piece = c % 16;
-        const int tok = min(count - 1, t0 + col);
-        const int64_t pair = plan.pair_list[begin + tok];
-        xsrc[r] = x + (UP ? pair / k : pair) * K;
-        xdst[r] = 512u * col + hole_offset(16u * x_piece(piece, col));
+      for (int m = 0; m < 2; ++m) {
+        const uint8_t* base = UP ? (m == 0 ? ex.w1_packed[e] : ex.w3_packed[e]) : ex.w2_packed[e];
+        const uint8_t* sbase = UP ? (m == 0 ? ex.w1_scale[e] : ex.w3_scale[e]) : ex.w2_scale[e];
+        const int64_t row = (UP ? tile * 16 : tile * 32 + 16 * m) + g;
+        ap[m] = base + row * row_bytes + 16 * tg;
+        as[m] = sbase + row * row_scales + tg;
       }
-      auto stage = [&](int c) {
-        unsigned char* dst = lut + (c % kStages) * kStageBytes;
+      // (N, a multiple of 32 as moe_experts checks, holds whole tiles: every row is real.)
+      const int64_t hop = 8 * row_bytes, shop = 8 * row_scales;
+      {  // the unit's pass: token columns t0 .. t0 + kCols - 1 of the slot
+        const int t0 = static_cast<int>((u - ub) % passes) * kCols;
+        const int nt = min(NT, (count - t0 + kTokTile - 1) / kTokTile);  // CTA-uniform
+        // This thread's staged pieces: sources (columns past count repeat a real token) and ring offsets.
+        const bf16* xsrc[NT];
+        uint32_t xdst[NT];
 #pragma unroll
         for (int r = 0; r < NT; ++r) {
-          if (r < nt) {
-            const int piece = (threadIdx.x + kMmaThreads * r) % 16;
-            const bool ok = static_cast<int64_t>(c) * kChunkK + 8 * piece < K;
-            cp_async16(dst + xdst[r], ok ? xsrc[r] + c * kChunkK + 8 * piece : xsrc[r], ok);
-          }
+          const int c = threadIdx.x + kMmaThreads * r, col = c / 16, piece = c % 16;
+          const int tok = min(count - 1, t0 + col);
+          const int64_t pair = plan.pair_list[begin + tok];
+          xsrc[r] = x + (UP ? pair / k : pair) * K;
+          xdst[r] = 512u * col + hole_offset(16u * x_piece(piece, col));
         }
-      };
+        auto stage = [&](int c) {
+          unsigned char* dst = lut + (c % kStages) * kStageBytes;
 #pragma unroll
-      for (int s = 0; s < kStages - 1; ++s) {
-        if (s < chunks) stage(s);
-        cp_async_commit();
-      }
-
-      float acc[2][NT][4] = {};
-
-      struct W {
-        uint4 q[2][2];    // [operand][row g, g + 8]: 32 E2M1 values of group t
-        uint32_t s[2][2];  // their E8M0 scales, or kNoScale
-      };
-      // Chunk c's weights of this lane (c past the end: the last chunk again, unused).
-      auto load_w = [&](int c, W& w) {
-        int cc = c < chunks ? c : chunks - 1;
-        const bool ok = cc < full || tail_ok;
-        cc = ok ? cc : 0;
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            w.q[m][h] = ldg_l2_256(ap[m] + h * hop + cc * (kChunkK / 2));
-            const uint32_t sv = __ldg(as[m] + h * shop + cc * (kChunkK / 32));
-            w.s[m][h] = ok ? sv : kNoScale;
+          for (int r = 0; r < NT; ++r) {
+            if (r < nt) {
+              const int piece = (threadIdx.x + kMmaThreads * r) % 16;
+              const bool ok = static_cast<int64_t>(c) * kChunkK + 8 * piece < K;
+              cp_async16(dst + xdst[r], ok ? xsrc[r] + c * kChunkK + 8 * piece : xsrc[r], ok);
+            }
           }
-      };
-      // One chunk: wait for its activations, free the oldest ring slot, stage chunk c + kStages - 1, then
-      // decode and multiply.
-      auto compute = [&](int c, const W& w) {
-        cp_async_wait<kStages - 2>();
-        __syncthreads();  // chunk c is visible to every warp, and every warp is done with chunk c - 1
-        if (c + kStages - 1 < chunks) stage(c + kStages - 1);
-        cp_async_commit();
-        const unsigned char* xs = lut + (c % kStages) * kStageBytes;
+        };
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {  // word q of each lane's 16 bytes: values 8q..8q+7, mma steps 2q, 2q+1
-          uint4 b[NT];
+        for (int s = 0; s < kStages - 1; ++s) {
+          if (s < chunks) stage(s);
+          cp_async_commit();
+        }
+
+        float acc[2][NT][4] = {};
+
+        struct W {
+          uint4 q[2][2];    // [operand][row g, g + 8]: 32 E2M1 values of group t
+          uint32_t s[2][2];  // their E8M0 scales, or kNoScale
+        };
+        // Chunk c's weights of this lane (c past the end: the last chunk again, unused).
+        auto load_w = [&](int c, W& w) {
+          int cc = c < chunks ? c : chunks - 1;
+          const bool ok = cc < full || tail_ok;
+          cc = ok ? cc : 0;
 #pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            if (j < nt) b[j] = *reinterpret_cast<const uint4*>(xs + kTokTile * 512 * j + roff[q]);
-          }
-#pragma unroll
-          for (int m = 0; m < 2; ++m) {
-            uint32_t a[2][4];
+          for (int m = 0; m < 2; ++m)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const uint4 v = w.q[m][h];
-              e2m1x8_to_bf16x8(lut_s, lane4, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[h]);
-              const __nv_bfloat162 sc = e8m0_or_zero(w.s[m][h]);
-#pragma unroll
-              for (int p = 0; p < 4; ++p) a[h][p] = scale_bf16x2(a[h][p], sc);
+              w.q[m][h] = ldg_l2_256(ap[m] + h * hop + cc * (kChunkK / 2));
+              const uint32_t sv = __ldg(as[m] + h * shop + cc * (kChunkK / 32));
+              w.s[m][h] = ok ? sv : kNoScale;
             }
-            // Every token tile's first k step, then their second: an accumulator's two MMAs are nt apart.
+        };
+        // One chunk: wait for its activations, free the oldest ring slot, stage chunk c + kStages - 1, then
+        // decode and multiply.
+        auto compute = [&](int c, const W& w) {
+          cp_async_wait<kStages - 2>();
+          __syncthreads();  // chunk c is visible to every warp, and every warp is done with chunk c - 1
+          if (c + kStages - 1 < chunks) stage(c + kStages - 1);
+          cp_async_commit();
+          const unsigned char* xs = lut + (c % kStages) * kStageBytes;
 #pragma unroll
-            for (int j = 0; j < NT; ++j)
-              if (j < nt) mma_bf16_16816(acc[m][j], a[0][0], a[1][0], a[0][1], a[1][1], b[j].x, b[j].y);
+          for (int q = 0; q < 4; ++q) {  // word q of each lane's 16 bytes: values 8q..8q+7, mma steps 2q, 2q+1
+            uint4 b[NT];
 #pragma unroll
-            for (int j = 0; j < NT; ++j)
-              if (j < nt) mma_bf16_16816(acc[m][j], a[0][2], a[1][2], a[0][3], a[1][3], b[j].z, b[j].w);
+            for (int j = 0; j < NT; ++j) {
+              if (j < nt) b[j] = *reinterpret_cast<const uint4*>(xs + kTokTile * 512 * j + roff[q]);
+            }
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+              uint32_t a[2][4];
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const uint4 v = w.q[m][h];
+                e2m1x8_to_bf16x8(lut_s, lane4, q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w, a[h]);
+                const __nv_bfloat162 sc = e8m0_or_zero(w.s[m][h]);
+#pragma unroll
+                for (int p = 0; p < 4; ++p) a[h][p] = scale_bf16x2(a[h][p], sc);
+              }
+              // Every token tile's first k step, then their second: an accumulator's two MMAs are nt apart.
+#pragma unroll
+              for (int j = 0; j < NT; ++j)
+                if (j < nt) mma_bf16_16816(acc[m][j], a[0][0], a[1][0], a[0][1], a[1][1], b[j].x, b[j].y);
+#pragma unroll
+              for (int j = 0; j < NT; ++j)
+                if (j < nt) mma_bf16_16816(acc[m][j], a[0][2], a[1][2], a[0][3], a[1][3], b[j].z, b[j].w);
+            }
           }
+        };
+        // Two register sets of weights, alternating (no copies between them).
+        W w0, w1;
+        load_w(0, w0);
+        for (int c = 0; c < chunks; c += 2) {
+          load_w(c + 1, w1);
+          compute(c, w0);
+          if (c + 1 >= chunks) break;
+          load_w(c + 2, w0);
+          compute(c + 1, w1);
         }
-      };
-      // Two register sets of weights, alternating (no copies between them).
-      W w0, w1;
-      load_w(0, w0);
-      for (int c = 0; c < chunks; c += 2) {
-        load_w(c + 1, w1);
-        compute(c, w0);
-        if (c + 1 >= chunks) break;
-        load_w(c + 2, w0);
-        compute(c + 1, w1);
-      }
-      cp_async_wait<0>();
-      __syncthreads();  // the ring is free for the next pass or group
+        cp_async_wait<0>();
+        __syncthreads();  // the ring is free for the next unit
 
-      // Epilogue straight from the accumulators: lane (g, t) holds rows g, g + 8 and columns 2t, 2t + 1.
-      if (live) {
+        // Epilogue straight from the accumulators: lane (g, t) holds rows g, g + 8 and columns 2t, 2t + 1.
+        if (live) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          if (j >= nt) continue;
+          for (int j = 0; j < NT; ++j) {
+            if (j >= nt) continue;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int tok = t0 + kTokTile * j + 2 * t + (i & 1);
-            if (tok >= count) continue;
-            const int64_t pair = plan.pair_list[begin + tok];
+            for (int i = 0; i < 4; ++i) {
+              const int tok = t0 + kTokTile * j + 2 * t + (i & 1);
+              if (tok >= count) continue;
+              const int64_t pair = plan.pair_list[begin + tok];
 #pragma unroll
-            for (int m = 0; m < (UP ? 1 : 2); ++m) {
-              const int64_t n = (UP ? tile * 16 : tile * 32 + 16 * m) + g + 8 * (i >> 1);
-              if (n >= N) continue;
-              const float v = UP ? detail::situ_dev(detail::round_bf16_dev(acc[0][j][i]),
-                                                    detail::round_bf16_dev(acc[1][j][i]), sp)
-                                 : acc[m][j][i];
-              out[pair * N + n] = detail::float_to_bf16(v);
+              for (int m = 0; m < (UP ? 1 : 2); ++m) {
+                const int64_t n = (UP ? tile * 16 : tile * 32 + 16 * m) + g + 8 * (i >> 1);
+                if (n >= N) continue;
+                const float v = UP ? detail::situ_dev(detail::round_bf16_dev(acc[0][j][i]),
+                                                      detail::round_bf16_dev(acc[1][j][i]), sp)
+                                   : acc[m][j][i];
+                out[pair * N + n] = detail::float_to_bf16(v);
+              }
             }
           }
         }
@@ -620,7 +651,7 @@ int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, b
 
 template <int NT, bool UP>
 int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K, int64_t N,
-               int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
+               int64_t max_slots, int64_t pairs, SituParams sp, int sms, cudaStream_t s) {
   const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
   const int64_t gps = (tiles + kWarps - 1) / kWarps;
   // The table with the ring in its holes (64 KiB) passes the 48 KiB a CTA gets without asking.
@@ -628,8 +659,10 @@ int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16
                                                  static_cast<int>(kLutBytes));
       e != cudaSuccess)
     return e;
+  // At most gps units per slot and pass, and at most max_slots + pairs / kCols passes.
+  const int64_t max_units = gps * std::min<int64_t>(pairs, max_slots + pairs / (NT * kTokTile));
   const int64_t blocks =
-      std::min<int64_t>(max_slots * gps, int64_t{sms} * ctas_per_sm<moe_mma_kernel<NT, UP>>(kMmaThreads, kLutBytes));
+      std::min<int64_t>(max_units, int64_t{sms} * ctas_per_sm<moe_mma_kernel<NT, UP>>(kMmaThreads, kLutBytes));
   moe_mma_kernel<NT, UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads, kLutBytes, s>>>(
       x, plan, ex, out, k, K, N, tiles, sp);
   return cudaGetLastError();
@@ -637,10 +670,10 @@ int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16
 
 template <bool UP>
 int launch_mma_nt(int nt, const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K,
-                  int64_t N, int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
+                  int64_t N, int64_t max_slots, int64_t pairs, SituParams sp, int sms, cudaStream_t s) {
   if (nt <= 1) return launch_splitk<UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
-  if (nt <= 2) return launch_mma<2, UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
-  return launch_mma<3, UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
+  if (nt <= 2) return launch_mma<2, UP>(x, plan, ex, out, k, K, N, max_slots, pairs, sp, sms, s);
+  return launch_mma<3, UP>(x, plan, ex, out, k, K, N, max_slots, pairs, sp, sms, s);
 }
 
 // y[r, i] = bf16(sum over local j, in order, of w[r, j] * o[(r, j), i]); 0 for a row with none.
@@ -679,24 +712,23 @@ int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const flo
   if (!aligned16(z) || !aligned16(scratch)) return cudaErrorMisalignedAddress;
   const cudaStream_t s = ctx.stream;
   const int64_t pairs = rows * k;
-  const size_t meta_bytes = (static_cast<size_t>(4 * (1 + 4 * pairs)) + 255) / 256 * 256;
+  const size_t meta_bytes = (static_cast<size_t>(4 * (kPlanHeader + kPlanArrays * pairs)) + 255) / 256 * 256;
   const Plan plan = plan_at(scratch, pairs);
   bf16* h = reinterpret_cast<bf16*>(static_cast<char*>(scratch) + meta_bytes);
   bf16* o = h + (pairs * I + 127) / 128 * 128;  // the 256-byte aligned offset of moe_experts_scratch_bytes
 
-  const size_t plan_smem = 2 * static_cast<size_t>(expert_count) * sizeof(int);
-  moe_plan_kernel<<<1, kPlanThreads, plan_smem, s>>>(idx, pairs, expert_begin, expert_count, plan);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-
   const int sms = ctx.sm_count > 0 ? ctx.sm_count : 132;
   const int64_t max_slots = std::min<int64_t>(expert_count, pairs);
+  // Token tiles per pass (1 to 3: registers hold the next chunk's activations), for the mean pairs per
+  // used expert plus headroom; more pairs take more passes, whose weight re-reads come from L2.
+  const int64_t mean = max_slots > 0 ? (pairs + max_slots - 1) / max_slots : 1;
+  const int nt = mean <= 4 ? 1 : mean <= 12 ? 2 : 3;
+  const size_t plan_smem = 2 * static_cast<size_t>(expert_count) * sizeof(int);
+  moe_plan_kernel<<<1, kPlanThreads, plan_smem, s>>>(idx, pairs, expert_begin, expert_count, kTokTile * nt, plan);
+  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (max_slots > 0) {
-    // Token tiles per pass (1 to 3: registers hold the next chunk's activations), for the mean pairs per
-    // used expert plus headroom; more pairs take more passes, whose weight re-reads come from L2.
-    const int64_t mean = (pairs + max_slots - 1) / max_slots;
-    const int nt = mean <= 4 ? 1 : mean <= 12 ? 2 : 3;
-    if (const int e = launch_mma_nt<true>(nt, z, plan, experts, h, k, L, I, max_slots, p, sms, s); e != 0) return e;
-    if (const int e = launch_mma_nt<false>(nt, h, plan, experts, o, k, I, L, max_slots, p, sms, s); e != 0) return e;
+    if (const int e = launch_mma_nt<true>(nt, z, plan, experts, h, k, L, I, max_slots, pairs, p, sms, s); e != 0) return e;
+    if (const int e = launch_mma_nt<false>(nt, h, plan, experts, o, k, I, L, max_slots, pairs, p, sms, s); e != 0) return e;
   }
   moe_combine_kernel<<<grid_for(rows * L, 256, 8 * sms), 256, 0, s>>>(o, idx, w, expert_begin, expert_count, y,
                                                                      rows, k, L);
