@@ -245,7 +245,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         record("mla_unabsorb", fmt::format("T{}", T), tu[2], wbytes,
                {{"T", T}, {"kernel_us", tu[0]}, {"cublaslt_us", tu[1]}});
       }
-      for (auto [D, T] : std::vector<std::pair<int, int64_t>>{{132, 1}, {132, 4}, {33, 64}}) {
+      // (132 parts: one request at 8k; 32, 4 and 2 parts: the splits of 8, 64 and 64 requests x q 4 at 8k.)
+      for (auto [D, T] : std::vector<std::pair<int, int64_t>>{{132, 1}, {132, 4}, {33, 64}, {32, 8}, {4, 64}, {2, 256}}) {
         DeviceBuffer parts = random_buffer(int64_t{D} * T * H * R * 4, 1, s, 24),
                      lp = random_buffer(int64_t{D} * T * H * 4, 1, s, 25);
         DeviceBuffer om(T * H * R * 4), lm(T * H * 4);
@@ -253,7 +254,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
           K3_OK(cu::lse_merge(parts.get<float>(), lp.get<float>(), D, T, H, R, om.get<float>(), lm.get<float>(), s));
         });
         const double mbytes = double(D) * T * H * (R + 1) * 4;
-        fmt::print("  merge {:>3} parts, T {:>2}: {:>6.1f} us, floor {:>5.1f} us\n", D, T, tm, mbytes / bw * 1e6);
+        fmt::print("  merge {:>3} parts, T {:>3}: {:>6.1f} us, floor {:>5.1f} us\n", D, T, tm, mbytes / bw * 1e6);
         record("lse_merge", fmt::format("D{} T{}", D, T), tm, mbytes, {{"D", D}, {"T", T}});
       }
     }
