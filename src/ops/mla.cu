@@ -237,11 +237,12 @@ __global__ void __launch_bounds__(kMergeCols * G)
   }
 }
 
-// Few parts (D <= 32, the splits of many requests) with R % 4 == 0 and 16-byte aligned o: one warp per (t, h),
-// no barriers. Lane d holds part d's lse; every lane forms the max (butterfly), then the weights and their sum
-// in the CPU's order from the lanes (the FP32 operations of lse_merge_kernel<1>, in its order), and sums 4
-// columns per 128 of every part in order, kMergeColSteps column steps' loads in flight together. (The CTA per
-// (t, h) and 128 columns took 84 us at 2 parts x 256 tokens x 12 heads: 12288 CTAs of four barriers each.)
+// Few parts (D <= 32, the splits of many requests) over enough rows to fill the GPU, with R % 4 == 0 and
+// 16-byte aligned o: one warp per (t, h), no barriers. Lane d holds part d's lse; every lane forms the max
+// (butterfly), then the weights and their sum in the CPU's order from the lanes (the FP32 operations of
+// lse_merge_kernel<1>, in its order), and sums 4 columns per 128 of every part in order, kMergeColSteps
+// column steps' loads in flight together. (The CTA per (t, h) and 128 columns took 26 us at 2 parts x 256
+// tokens x 12 heads, 12288 CTAs of four barriers each; this kernel 4.2 us.)
 constexpr int kMergeWarpRows = 8;  // (t, h) rows per CTA, a warp each
 constexpr int kMergeColSteps = 4;  // 128-column steps per pass: R <= 512 in one pass
 __global__ void __launch_bounds__(kMergeWarpRows * 32)
@@ -268,7 +269,8 @@ __global__ void __launch_bounds__(kMergeWarpRows * 32)
   }
   const float inv_sum = 1.f / sum;
   if (lane == 0) lse[th] = m + logf(sum);
-  for (int c0 = 4 * lane; c0 < R; c0 += 128 * kMergeColSteps) {
+  for (int base = 0; base < R; base += 128 * kMergeColSteps) {  // warp-uniform trips: the shuffles need every lane
+    const int c0 = base + 4 * lane;
     float4 acc[kMergeColSteps];
 #pragma unroll
     for (int j = 0; j < kMergeColSteps; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -303,18 +305,18 @@ int launch_lse_merge(const float* o_parts, const float* lse_parts, int D, int64_
   const int64_t TH = T * H;
   if (TH == 0) return cudaSuccess;
   if (TH > 0x7fffffffLL) return cudaErrorInvalidValue;
-  if (D <= 32 && R % 4 == 0 && aligned16(o_parts) && aligned16(o)) {
+  const size_t smem = sizeof(float) * 2 * static_cast<size_t>(D);
+  const dim3 grid(static_cast<unsigned>(TH), static_cast<unsigned>((R + kMergeCols - 1) / kMergeCols));
+  // Few CTAs: 4 thread groups per column (the warp per row was slower there: 32 parts x 8 tokens 6.4 -> 12.1 us).
+  if (int64_t{grid.x} * grid.y < 4 * int64_t{detail::device_sm_count()}) {
+    lse_merge_kernel<4><<<grid, kMergeCols * 4, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
+  } else if (D <= 32 && R % 4 == 0 && aligned16(o_parts) && aligned16(o)) {
     const int64_t blocks = (TH + kMergeWarpRows - 1) / kMergeWarpRows;
     lse_merge_warp_kernel<<<static_cast<unsigned>(blocks), kMergeWarpRows * 32, 0, stream>>>(o_parts, lse_parts, D,
                                                                                             TH, R, o, lse);
-    return cudaGetLastError();
-  }
-  const size_t smem = sizeof(float) * 2 * static_cast<size_t>(D);
-  const dim3 grid(static_cast<unsigned>(TH), static_cast<unsigned>((R + kMergeCols - 1) / kMergeCols));
-  if (int64_t{grid.x} * grid.y < 4 * int64_t{detail::device_sm_count()})
-    lse_merge_kernel<4><<<grid, kMergeCols * 4, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
-  else
+  } else {
     lse_merge_kernel<1><<<grid, kMergeCols, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
+  }
   return cudaGetLastError();
 }
 

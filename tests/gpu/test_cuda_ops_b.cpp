@@ -470,12 +470,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, LseMergeCuda,
                                            MergeShape{128, 1, 12, 512},  // one request's 128 splits
                                            MergeShape{130, 2, 3, 40},    // parts past a whole load batch
                                            MergeShape{33, 64, 12, 512},  // enough CTAs for one thread group
-                                           // <= 32 parts and R % 4 == 0: a warp per (t, h)
+                                           // <= 32 parts, R % 4 == 0 and >= 4 x 132 (t, h, 128 columns): a warp
+                                           // per (t, h)
                                            MergeShape{2, 256, 12, 512},  // 64 requests x q 4, 2 splits
-                                           MergeShape{32, 3, 5, 512},    // a part per lane
-                                           MergeShape{5, 3, 7, 260},     // R past whole 128-column steps
-                                           MergeShape{3, 2, 5, 20},      // R below one step
-                                           MergeShape{4, 1, 3, 1028},    // R over one pass of 512
+                                           MergeShape{32, 48, 12, 512},  // a part per lane
+                                           MergeShape{5, 64, 12, 260},   // R past whole 128-column steps
+                                           MergeShape{3, 200, 3, 20},    // R below one step (lanes 5.. idle)
+                                           MergeShape{4, 50, 3, 1028},   // R over one pass of 512
                                            MergeShape{0, 2, 3, 16}));
 
 // ---------------------------------------------------------------- paged cache helpers
