@@ -13,9 +13,9 @@
 // the kernels' other shared data lives in the table's unused halves), so the tensor-core products are
 // the exact dequantized products; only the FP32 summation order differs from the CPU. Two kernels, by
 // the mean pairs per expert in use (one fixed summation order per output either way: deterministic):
-//   <= 4 (one 8-pair token tile per pass): moe_mma_splitk_kernel, 4 warps split K of one row tile and
-//     sum their partials in warp order through shared memory, so few experts still fill the GPU (a CTA
-//     is two such teams sharing the table);
+//   <= 4 (one 8-pair token tile per pass): moe_mma_splitk_kernel, a team of 4 or 8 warps splits K of one
+//     row tile and sums their partials in warp order through shared memory, so few experts still fill the
+//     GPU (a CTA is 8 warps sharing the table: two teams of 4, or one of 8 when the items fit one wave);
 //   more (2 or 3 tiles per pass): moe_mma_kernel<NT>, each warp owns one row tile over the whole K and
 //     the 4 warps take consecutive tiles of one expert, sharing the activations through a shared-memory
 //     ring (cp.async); split K kept the tiles' activations in registers (176-241 registers, a quarter
@@ -233,8 +233,8 @@ using detail::smem_u32;
 using detail::cp_async_commit;
 using detail::mma_bf16_16816;
 
-// Few pairs per expert (<= 4 on average: one token tile): moe_mma_splitk_kernel. One CTA item = (slot, tile
-// of output features); the CTA's kWarps warps split K, each over whole kChunkK steps, their partials summed
+// Few pairs per expert (<= 4 on average: one token tile): moe_mma_splitk_kernel. One team item = (slot, tile
+// of output features); the team's warps split K, each over whole kChunkK steps, their partials summed
 // in warp order through shared memory (deterministic), so a layer with few experts in use still spreads
 // over every SM. UP: the tile is 16 rows of W1 and the same 16 rows of W3 (the two A operands share the
 // B fragments), epilogue h = bf16(situ(bf16(W1 z), bf16(W3 z))); DOWN: the tile is 32 rows of W2 (two
@@ -245,37 +245,40 @@ using detail::mma_bf16_16816;
 // for weight rows g and g + 8 of each A operand, and the same 32 activation values of token g of each
 // token tile. mma step s in 0..7 takes values 4s..4s+3 of those 32 as its k slots {2t, 2t+1, 2t+8, 2t+9}
 // for A and B alike: a sum over k is order-free, so any consistent assignment is the same product.
-// A CTA is kSplitTeams teams of kWarps warps sharing the table (so two teams per SM reach 16 warps with
-// the 64 KiB table); each team walks its own item range as a virtual CTA, with its own named barrier.
-constexpr int kSplitTeams = 2;
-constexpr int kSplitThreads = kSplitTeams * kMmaThreads;
+// A CTA is kSplitWarps warps sharing the table (two CTAs per SM: 16 warps with the 64 KiB table), in teams
+// of team_warps (4 or 8) warps; each team walks its own item range as a virtual CTA, with its own named
+// barrier. Teams of 8 halve each warp's chain of chunks; the launcher takes them when the items fit one wave
+// of CTAs (at 2 experts per layer: the 224 down items, not the 384 up items).
+constexpr int kSplitWarps = 8;
+constexpr int kSplitThreads = kSplitWarps * kWarp;
 
-__device__ __forceinline__ void team_sync(int team) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + team), "n"(kMmaThreads) : "memory");
+__device__ __forceinline__ void team_sync(int team, int team_threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + team), "r"(team_threads) : "memory");
 }
 
 template <bool UP>
 __global__ void __launch_bounds__(kSplitThreads, 2)
     moe_mma_splitk_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
-                   int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
+                   int64_t K, int64_t N, int64_t tiles_per_slot, int team_warps, SituParams sp) {
   constexpr int NT = 1;
   constexpr int kAcc = 2 * NT * 4;  // two A operands x NT token tiles x 4 accumulators per lane
-  // The table; holes: part [kSplitTeams][kWarps][kAcc][kWarp] FP32.
+  // The table; holes: part [kSplitWarps][kAcc][kWarp] FP32 (warp w of team t: entry t team_warps + w).
   extern __shared__ __align__(16) unsigned char lut[];
   fill_lut(lut);
   const uint32_t lut_s = smem_u32(lut);
-  const int team = static_cast<int>(threadIdx.x) / kMmaThreads, ttid = static_cast<int>(threadIdx.x) % kMmaThreads;
+  const int team_threads = team_warps * kWarp, teams = kSplitWarps / team_warps;
+  const int team = static_cast<int>(threadIdx.x) / team_threads, ttid = static_cast<int>(threadIdx.x) % team_threads;
   auto part = [&](int w, int i, int ln) -> float& {
     return *reinterpret_cast<float*>(
-        lut + hole_offset(4u * static_cast<uint32_t>(((team * kWarps + w) * kAcc + i) * kWarp + ln)));
+        lut + hole_offset(4u * static_cast<uint32_t>(((team * team_warps + w) * kAcc + i) * kWarp + ln)));
   };
   const int warp = ttid / kWarp, lane = ttid % kWarp, g = lane >> 2, t = lane & 3;
   const uint32_t lane4 = 4u * static_cast<uint32_t>(lane);
   const int64_t items = static_cast<int64_t>(*plan.n_active) * tiles_per_slot;
-  const int64_t vctas = int64_t{gridDim.x} * kSplitTeams, vcta = int64_t{blockIdx.x} * kSplitTeams + team;
+  const int64_t vctas = int64_t{gridDim.x} * teams, vcta = int64_t{blockIdx.x} * teams + team;
   const int64_t per = (items + vctas - 1) / vctas;
   const int64_t i_begin = vcta * per, i_end = min(items, i_begin + per);
-  const int64_t chunks = (K + kChunkK - 1) / kChunkK, wchunks = (chunks + kWarps - 1) / kWarps;
+  const int64_t chunks = (K + kChunkK - 1) / kChunkK, wchunks = (chunks + team_warps - 1) / team_warps;
   const int64_t c_begin = min(chunks, warp * wchunks), c_end = min(chunks, c_begin + wchunks);
   const int64_t row_bytes = K / 2, row_scales = K / 32;
   const int tg = 32 * t < K ? t : 0;  // the lane's group in a chunk; a lane with none (K < 128) reads group 0
@@ -380,9 +383,9 @@ __global__ void __launch_bounds__(kSplitThreads, 2)
         for (int j = 0; j < NT; ++j)
 #pragma unroll
           for (int i = 0; i < 4; ++i) part(warp, (m * NT + j) * 4 + i, lane) = acc[m][j][i];
-      team_sync(team);
+      team_sync(team, team_threads);
       constexpr int kOut = (UP ? 1 : 2) * NT * 4 * kWarp;  // output values of the item (UP: pairs of W1, W3)
-      for (int o = ttid; o < kOut; o += kMmaThreads) {
+      for (int o = ttid; o < kOut; o += team_threads) {
         const int ln = o % kWarp, i = (o / kWarp) % 4, j = (o / (4 * kWarp)) % NT, m = o / (4 * kWarp * NT);
         if (j >= nt) continue;
         const int tok = t0 + kTokTile * j + 2 * (ln & 3) + (i & 1);
@@ -390,15 +393,14 @@ __global__ void __launch_bounds__(kSplitThreads, 2)
         if (tok >= count || n >= N) continue;
         const int64_t pair = plan.pair_list[begin + tok];
         float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) {
+        for (int w = 0; w < team_warps; ++w) {
           s0 += part(w, (m * NT + j) * 4 + i, ln);
           if (UP) s1 += part(w, (NT + j) * 4 + i, ln);
         }
         const float v = UP ? detail::situ_dev(detail::round_bf16_dev(s0), detail::round_bf16_dev(s1), sp) : s0;
         out[pair * N + n] = detail::float_to_bf16(v);
       }
-      team_sync(team);
+      team_sync(team, team_threads);
     }
   }
 }
@@ -644,11 +646,14 @@ int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, b
                                                  static_cast<int>(kLutBytes));
       e != cudaSuccess)
     return e;
-  const int64_t blocks =
-      std::min<int64_t>((max_slots * tiles + kSplitTeams - 1) / kSplitTeams,
-                        int64_t{sms} * ctas_per_sm<moe_mma_splitk_kernel<UP>>(kSplitThreads, kLutBytes));
+  // Teams of 8 warps when every item gets its own CTA in one wave, else of 4 (two per CTA).
+  const int64_t items = max_slots * tiles;
+  const int64_t slots = int64_t{sms} * ctas_per_sm<moe_mma_splitk_kernel<UP>>(kSplitThreads, kLutBytes);
+  const int team_warps = items <= slots ? kSplitWarps : kSplitWarps / 2;
+  const int64_t teams = kSplitWarps / team_warps;
+  const int64_t blocks = std::min<int64_t>((items + teams - 1) / teams, slots);
   moe_mma_splitk_kernel<UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kSplitThreads, kLutBytes, s>>>(
-      x, plan, ex, out, k, K, N, tiles, sp);
+      x, plan, ex, out, k, K, N, tiles, team_warps, sp);
   return cudaGetLastError();
 }
 

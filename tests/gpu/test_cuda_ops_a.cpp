@@ -812,6 +812,9 @@ TEST(CudaMoe, MoeExpertsMatchesCpuWholeChunks) {
   check_moe_experts({24, 2, 128, 256, 4, 0, 4, 2}, 9310);
   // 6 experts x 192 UP row tiles, more than one CTA range per slot; 32 pairs per expert: 2 passes.
   check_moe_experts({64, 3, 256, 3072, 6, 0, 6, 3}, 9320);
+  // 2 pairs per expert (split K): 8 experts x 192 UP row tiles, more items than one wave of CTAs (teams of
+  // 4 warps); DOWN 8 x 16 items (teams of 8).
+  check_moe_experts({8, 2, 512, 3072, 8, 0, 8, 2}, 9330);
 }
 
 TEST(CudaMoe, MoeExpertsMatchesCpuK3RankSlice) {
