@@ -85,8 +85,9 @@ inline size_t moe_experts_scratch_bytes(int64_t rows, int k, int64_t L, int64_t 
 }
 
 // Routed experts of one rank: z [rows, L] BF16 (16-byte aligned), idx [rows, k] global expert ids, w [rows, k]
-// FP32 -> y [rows, L] BF16, y[r] = bf16(sum over j in 0..k-1 with idx[r, j] in [expert_begin, expert_begin +
-// expert_count) of w[r, j] * expert_{idx[r, j]}(z[r])), summed in j order in FP32 (the CPU moe_ffn's combine);
+// FP32 -> y [rows, L] BF16 (16-byte aligned), y[r] = bf16(sum over j in 0..k-1 with idx[r, j] in
+// [expert_begin, expert_begin + expert_count) of w[r, j] * expert_{idx[r, j]}(z[r])), summed in j order in
+// FP32 (the CPU moe_ffn's combine);
 // every expert output is the CPU expert_mlp's (BF16). Rows with no local expert get 0. L, I multiples of 32;
 // expert_count <= kMoeMaxLocalExperts; scratch: moe_experts_scratch_bytes(rows, k, L, I), 16-byte aligned.
 constexpr int kMoeMaxLocalExperts = 6144;

@@ -57,32 +57,50 @@ __host__ __device__ inline Plan plan_at(void* scratch, int64_t pairs) {
   return Plan{m, m + 1, a, a + pairs, a + 2 * pairs, a + 3 * pairs, a + 4 * pairs};
 }
 
-// Exclusive block scan of (a, b); totals returned too. Every thread calls it; ends with a barrier.
-__device__ void block_exclusive_scan2(int& a, int& b, int& total_a, int& total_b, int (*wt)[2]) {
+// Exclusive block scan of kScanN values per thread (each its own scan); totals returned too. Every thread
+// calls it; ends with a barrier.
+constexpr int kScanN = 3;
+__device__ void block_exclusive_scan(int (&v)[kScanN], int (&total)[kScanN], int (*wt)[kScanN]) {
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
-  int ia = a, ib = b;
+  int in[kScanN];
+#pragma unroll
+  for (int n = 0; n < kScanN; ++n) in[n] = v[n];
 #pragma unroll
   for (int o = 1; o < kWarp; o *= 2) {
-    const int ta = __shfl_up_sync(0xffffffffu, ia, o), tb = __shfl_up_sync(0xffffffffu, ib, o);
-    if (lane >= o) ia += ta, ib += tb;
+#pragma unroll
+    for (int n = 0; n < kScanN; ++n) {
+      const int t = __shfl_up_sync(0xffffffffu, in[n], o);
+      if (lane >= o) in[n] += t;
+    }
   }
-  if (lane == kWarp - 1) wt[warp][0] = ia, wt[warp][1] = ib;
+  if (lane == kWarp - 1) {
+#pragma unroll
+    for (int n = 0; n < kScanN; ++n) wt[warp][n] = in[n];
+  }
   __syncthreads();
   if (warp == 0) {
-    int wa = lane < warps ? wt[lane][0] : 0, wb = lane < warps ? wt[lane][1] : 0;
+    int x[kScanN];
+#pragma unroll
+    for (int n = 0; n < kScanN; ++n) x[n] = lane < warps ? wt[lane][n] : 0;
 #pragma unroll
     for (int o = 1; o < kWarp; o *= 2) {
-      const int ta = __shfl_up_sync(0xffffffffu, wa, o), tb = __shfl_up_sync(0xffffffffu, wb, o);
-      if (lane >= o) wa += ta, wb += tb;
+#pragma unroll
+      for (int n = 0; n < kScanN; ++n) {
+        const int t = __shfl_up_sync(0xffffffffu, x[n], o);
+        if (lane >= o) x[n] += t;
+      }
     }
-    if (lane < warps) wt[lane][0] = wa, wt[lane][1] = wb;  // inclusive over warps
+    if (lane < warps) {
+#pragma unroll
+      for (int n = 0; n < kScanN; ++n) wt[lane][n] = x[n];  // inclusive over warps
+    }
   }
   __syncthreads();
-  const int base_a = warp > 0 ? wt[warp - 1][0] : 0, base_b = warp > 0 ? wt[warp - 1][1] : 0;
-  a = base_a + ia - a;
-  b = base_b + ib - b;
-  total_a = wt[warps - 1][0];
-  total_b = wt[warps - 1][1];
+#pragma unroll
+  for (int n = 0; n < kScanN; ++n) {
+    v[n] = (warp > 0 ? wt[warp - 1][n] : 0) + in[n] - v[n];
+    total[n] = wt[warps - 1][n];
+  }
   __syncthreads();
 }
 
@@ -92,7 +110,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     moe_plan_kernel(const int32_t* __restrict__ idx, int64_t pairs, int expert_begin, int expert_count, int cols,
                     Plan plan) {
   extern __shared__ int plan_smem[];  // cnt [expert_count], cursor [expert_count]
-  __shared__ int wt[kPlanThreads / kWarp][2];
+  __shared__ int wt[kPlanThreads / kWarp][kScanN];
   int* cnt = plan_smem;
   int* cursor = plan_smem + expert_count;
   for (int e = threadIdx.x; e < expert_count; e += blockDim.x) cnt[e] = 0;
@@ -105,11 +123,12 @@ __global__ void __launch_bounds__(kPlanThreads)
   // Each thread scans a contiguous range of experts: pair offsets and slots of the experts in use.
   const int per = (expert_count + blockDim.x - 1) / blockDim.x;
   const int lo = min(expert_count, static_cast<int>(threadIdx.x) * per), hi = min(expert_count, lo + per);
-  int a = 0, b = 0, c = 0, unused = 0;
-  for (int e = lo; e < hi; ++e) a += cnt[e], b += cnt[e] > 0, c += (cnt[e] + cols - 1) / cols;
-  int total_a, total_b, total_c, total_unused;
-  block_exclusive_scan2(a, b, total_a, total_b, wt);
-  block_exclusive_scan2(c, unused, total_c, total_unused, wt);
+  // Scanned: pair offsets (a), slots (b) and passes (c) of the experts before this thread's range.
+  int v[kScanN] = {0, 0, 0};
+  for (int e = lo; e < hi; ++e) v[0] += cnt[e], v[1] += cnt[e] > 0, v[2] += (cnt[e] + cols - 1) / cols;
+  int total[kScanN];
+  block_exclusive_scan(v, total, wt);
+  int a = v[0], b = v[1], c = v[2];
   for (int e = lo; e < hi; ++e) {
     if (cnt[e] == 0) continue;
     plan.slot_expert[b] = e;
@@ -121,7 +140,7 @@ __global__ void __launch_bounds__(kPlanThreads)
     c += (cnt[e] + cols - 1) / cols;
     ++b;
   }
-  if (threadIdx.x == 0) *plan.n_active = total_b, *plan.n_passes = total_c;
+  if (threadIdx.x == 0) *plan.n_active = total[1], *plan.n_passes = total[2];
   __syncthreads();
   // Pair order inside an expert's group follows the atomics; every pair is computed alone, so results do not.
   for (int64_t p = threadIdx.x; p < pairs; p += blockDim.x) {
@@ -684,21 +703,27 @@ int launch_mma_nt(int nt, const bf16* x, const Plan& plan, const Mxfp4ExpertTabl
   return launch_mma<3, UP>(x, plan, ex, out, k, K, N, max_slots, pairs, sp, sms, s);
 }
 
-// y[r, i] = bf16(sum over local j, in order, of w[r, j] * o[(r, j), i]); 0 for a row with none.
+// y[r, i] = bf16(sum over local j, in order, of w[r, j] * o[(r, j), i]); 0 for a row with none. A thread
+// per 8 consecutive i (L % 32 == 0; o and y 16-byte aligned): one 16-byte load per (r, j) and store per r.
 __global__ void moe_combine_kernel(const bf16* __restrict__ o, const int32_t* __restrict__ idx,
                                    const float* __restrict__ w, int expert_begin, int expert_count, bf16* __restrict__ y,
                                    int64_t rows, int k, int64_t L) {
-  const int64_t total = rows * L;
+  const int64_t L8 = L / 8, total = rows * L8;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = t / L, i = t % L;
-    float acc = 0.f;
+    const int64_t r = t / L8, i = (t % L8) * 8;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < k; ++j) {
       const int64_t pair = r * k + j;
       const int64_t e = static_cast<int64_t>(idx[pair]) - expert_begin;
-      if (e >= 0 && e < expert_count) acc = __fadd_rn(acc, __fmul_rn(w[pair], detail::bf16_to_float(o[pair * L + i])));
+      if (e < 0 || e >= expert_count) continue;
+      const float wj = w[pair];
+      float v[8];
+      detail::load_bf16<8>(o + pair * L + i, v);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(wj, v[u]));
     }
-    y[t] = detail::float_to_bf16(acc);
+    detail::store_bf16<8>(y + r * L + i, acc);
   }
 }
 
@@ -717,7 +742,7 @@ int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const flo
   if (expert_count < 0 || expert_count > kMoeMaxLocalExperts) return cudaErrorInvalidValue;
   if (rows * k > 0x7fffffff) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
-  if (!aligned16(z) || !aligned16(scratch)) return cudaErrorMisalignedAddress;
+  if (!aligned16(z) || !aligned16(y) || !aligned16(scratch)) return cudaErrorMisalignedAddress;
   const cudaStream_t s = ctx.stream;
   const int64_t pairs = rows * k;
   const size_t meta_bytes = (static_cast<size_t>(4 * (kPlanHeader + kPlanArrays * pairs)) + 255) / 256 * 256;
@@ -738,8 +763,8 @@ int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const flo
     if (const int e = launch_mma_nt<true>(nt, z, plan, experts, h, k, L, I, max_slots, pairs, p, sms, s); e != 0) return e;
     if (const int e = launch_mma_nt<false>(nt, h, plan, experts, o, k, I, L, max_slots, pairs, p, sms, s); e != 0) return e;
   }
-  moe_combine_kernel<<<grid_for(rows * L, 256, 8 * sms), 256, 0, s>>>(o, idx, w, expert_begin, expert_count, y,
-                                                                     rows, k, L);
+  moe_combine_kernel<<<grid_for(rows * L / 8, 256, 8 * sms), 256, 0, s>>>(o, idx, w, expert_begin, expert_count, y,
+                                                                         rows, k, L);
   return cudaGetLastError();
 }
 

@@ -817,6 +817,20 @@ TEST(CudaMoe, MoeExpertsMatchesCpuWholeChunks) {
   check_moe_experts({8, 2, 512, 3072, 8, 0, 8, 2}, 9330);
 }
 
+TEST(CudaMoe, MoeExpertsRejectsBadArguments) {
+  K3_REQUIRE_GPU();
+  const int64_t rows = 2, L = 64, I = 32;
+  DeviceBuffer z(rows * L * 2), y(rows * L * 2 + 16), idx(rows * 4), w(rows * 4),
+      scr(ops::cuda::moe_experts_scratch_bytes(rows, 1, L, I));
+  const ops::cuda::Mxfp4ExpertTable ex;  // never read: every call below fails its checks first
+  const auto call = [&](bf16* out, int64_t l) {
+    return ops::cuda::moe_experts(ctx(), z.get<bf16>(), idx.get<int32_t>(), w.get<float>(), ex, 0, 1, out, scr.get(),
+                                  rows, 1, l, I, kSitu);
+  };
+  EXPECT_EQ(call(y.get<bf16>() + 1, L), static_cast<int>(cudaErrorMisalignedAddress)) << "y 2 bytes off 16";
+  EXPECT_EQ(call(y.get<bf16>(), 48), static_cast<int>(cudaErrorInvalidValue)) << "L not a multiple of 32";
+}
+
 TEST(CudaMoe, MoeExpertsMatchesCpuK3RankSlice) {
   K3_REQUIRE_GPU();
   // EP32: 28 of 896 experts (ids [280, 308)), k = 16, L = 3584, I = 3072.
