@@ -38,6 +38,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -49,6 +50,27 @@ namespace k3::ops::cuda {
 namespace {
 
 using detail::aligned16;
+
+// Lets Kernel take up to the device's opt-in shared memory per CTA, set once per device. Setting it per launch
+// to that launch's size raced between concurrent launchers (ranks as threads on one GPU): a smaller setting
+// in between failed a larger launch with cudaErrorInvalidValue (seen once in GpuParallel tp1_dp2_dcp1, two
+// replicas of different batch shapes). The limit only admits a launch; its shared memory is what it asks for.
+template <auto Kernel>
+cudaError_t allow_optin_smem() {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0, optin = 0;
+  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t{1} << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+      e != cudaSuccess)
+    return e;
+  if (const cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
+      e != cudaSuccess)
+    return e;
+  done.fetch_or(bit, std::memory_order_acq_rel);
+  return cudaSuccess;
+}
 
 using bf16raw = __nv_bfloat16;
 
@@ -1089,8 +1111,7 @@ int launch(AttendParams p, int64_t groups, int rows_per_group, void* scratch, si
   p.lse_out = lse_parts;
   p.chunk = sp.chunk;
   const size_t smem = attend_smem_bytes(E);
-  cudaError_t err = cudaFuncSetAttribute(mla_attend16_kernel<INDEXED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
+  cudaError_t err = allow_optin_smem<mla_attend16_kernel<INDEXED>>();
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(mtiles), static_cast<unsigned>(sp.splits), static_cast<unsigned>(groups));
   mla_attend16_kernel<INDEXED><<<grid, kAttThreads, smem, stream>>>(p);
@@ -1127,8 +1148,7 @@ int launch_attend(AttendParams p, int64_t groups, int rows_per_group, void* scra
   p.lse_out = lse_parts;
   p.rows_per_cta = sh.rows_per_cta;
   const size_t smem = static_cast<size_t>(attend_smem(E, sh.mt).total);
-  cudaError_t err = cudaFuncSetAttribute(mla_attend_kernel<INDEXED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
+  cudaError_t err = allow_optin_smem<mla_attend_kernel<INDEXED>>();
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(sh.mctas), static_cast<unsigned>(splits), static_cast<unsigned>(groups));
   mla_attend_kernel<INDEXED><<<grid, kThreadsPerMT * sh.mt, smem, stream>>>(p);
