@@ -267,7 +267,8 @@ int run_bench(const BenchArgs& args) {
           if (args.profile && i < 5)
             fmt::print("            gap {:>7.0f}us {:>5.0f}x before {}\n", k.us, k.calls, k.name.substr(0, 90));
           gaps.push_back({{"before", k.name}, {"gaps", k.calls}, {"us", k.us}});
-        }        nlohmann::json breakdown = nlohmann::json::object(), op_bytes_json = nlohmann::json::object();
+        }
+        nlohmann::json breakdown = nlohmann::json::object(), op_bytes_json = nlohmann::json::object();
         if (args.profile) {
           std::vector<std::pair<std::string, double>> prof;
           for (int i = 0; i < 3; ++i) prof = rank.profile(kind);  // the last of three eager runs

@@ -33,7 +33,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
 
 #include "ops/attn_res.h"
@@ -463,10 +462,9 @@ __global__ void __launch_bounds__(kArMaxThreads, 2) attn_res_cluster_kernel(Attn
 #endif
 }
 
-// The shared memory of the cluster kernel on device dev: limit, the largest dynamic size of a CTA (set
-// once per device as the kernel's maximum; the same value for every launch, so concurrent launchers on
-// one device never lower it under one another), sm_bytes and cta_extra (static and reserved shared
-// memory of a CTA) to count the CTAs an SM holds.
+// The shared memory of the cluster kernel on device dev: limit, the largest dynamic size of a CTA (the
+// kernel's limit is raised once per device by detail::allow_optin_smem), sm_bytes and cta_extra (static
+// and reserved shared memory of a CTA) to count the CTAs an SM holds.
 cudaError_t ar_smem_limits(int dev, int64_t& limit, int64_t& sm_bytes, int64_t& cta_extra) {
   int optin = 0, per_sm = 0, reserved = 0;
   if (cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess)
@@ -480,19 +478,7 @@ cudaError_t ar_smem_limits(int dev, int64_t& limit, int64_t& sm_bytes, int64_t& 
   sm_bytes = per_sm;
   cta_extra = stat + reserved;
   if (limit <= 0) return cudaSuccess;
-  static std::atomic<uint64_t> done{0};
-  const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t{1} << dev : 0;
-  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  if (cudaError_t e = cudaFuncSetAttribute(attn_res_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(limit));
-      e != cudaSuccess)
-    return e;
-  if (cudaError_t e = cudaFuncSetAttribute(attn_res_cluster_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                           cudaSharedmemCarveoutMaxShared);
-      e != cudaSuccess)
-    return e;
-  done.fetch_or(bit, std::memory_order_acq_rel);
-  return cudaSuccess;
+  return detail::allow_optin_smem<attn_res_cluster_kernel>(/*max_carveout=*/true);
 }
 
 }  // namespace

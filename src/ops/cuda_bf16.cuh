@@ -10,6 +10,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "core/bf16.h"
@@ -130,6 +131,38 @@ inline int device_sm_count() {
   if (sms[dev] <= 0 && cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
     sms[dev] = 132;
   return sms[dev];
+}
+
+// Lets Kernel take all the dynamic shared memory the device allows a CTA (the opt-in maximum less the
+// kernel's static shared memory), set once per device; with max_carveout, the SM's carveout preferred for
+// shared memory too. The one way a launcher raises the limit: it admits a launch, and a launch's shared
+// memory is still what it asks for. (Set per launch to the launch's own size, it raced between concurrent
+// launchers, ranks as threads on one GPU: a smaller setting in between failed a larger launch with
+// cudaErrorInvalidValue.)
+template <auto Kernel>
+cudaError_t allow_optin_smem(bool max_carveout = false) {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0, optin = 0;
+  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t{1} << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  cudaFuncAttributes fa{};
+  if (const cudaError_t e = cudaFuncGetAttributes(&fa, Kernel); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+      e != cudaSuccess)
+    return e;
+  const int dyn = optin - static_cast<int>(fa.sharedSizeBytes);
+  if (const cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+      e != cudaSuccess)
+    return e;
+  if (max_carveout) {
+    if (const cudaError_t e =
+            cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+        e != cudaSuccess)
+      return e;
+  }
+  done.fetch_or(bit, std::memory_order_acq_rel);
+  return cudaSuccess;
 }
 
 // The 32-bit shared-window address of a pointer into shared memory.

@@ -38,7 +38,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -51,26 +50,7 @@ namespace {
 
 using detail::aligned16;
 
-// Lets Kernel take up to the device's opt-in shared memory per CTA, set once per device. Setting it per launch
-// to that launch's size raced between concurrent launchers (ranks as threads on one GPU): a smaller setting
-// in between failed a larger launch with cudaErrorInvalidValue (seen once in GpuParallel tp1_dp2_dcp1, two
-// replicas of different batch shapes). The limit only admits a launch; its shared memory is what it asks for.
-template <auto Kernel>
-cudaError_t allow_optin_smem() {
-  static std::atomic<uint64_t> done{0};
-  int dev = 0, optin = 0;
-  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t{1} << dev : 0;
-  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  if (const cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-      e != cudaSuccess)
-    return e;
-  if (const cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin);
-      e != cudaSuccess)
-    return e;
-  done.fetch_or(bit, std::memory_order_acq_rel);
-  return cudaSuccess;
-}
+using detail::allow_optin_smem;
 
 using bf16raw = __nv_bfloat16;
 

@@ -661,10 +661,7 @@ int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, b
                   int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
   const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
   // The table (64 KiB) passes the 48 KiB a CTA gets without asking.
-  if (const cudaError_t e = cudaFuncSetAttribute(moe_mma_splitk_kernel<UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(kLutBytes));
-      e != cudaSuccess)
-    return e;
+  if (const cudaError_t e = detail::allow_optin_smem<moe_mma_splitk_kernel<UP>>(); e != cudaSuccess) return e;
   // Teams of 8 warps when every item gets its own CTA in one wave, else of 4 (two per CTA).
   const int64_t items = max_slots * tiles;
   const int64_t slots = int64_t{sms} * ctas_per_sm<moe_mma_splitk_kernel<UP>>(kSplitThreads, kLutBytes);
@@ -682,10 +679,7 @@ int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16
   const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
   const int64_t gps = (tiles + kWarps - 1) / kWarps;
   // The table with the ring in its holes (64 KiB) passes the 48 KiB a CTA gets without asking.
-  if (const cudaError_t e = cudaFuncSetAttribute(moe_mma_kernel<NT, UP>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(kLutBytes));
-      e != cudaSuccess)
-    return e;
+  if (const cudaError_t e = detail::allow_optin_smem<moe_mma_kernel<NT, UP>>(); e != cudaSuccess) return e;
   // At most gps units per slot and pass, and at most max_slots + pairs / kCols passes.
   const int64_t max_units = gps * std::min<int64_t>(pairs, max_slots + pairs / (NT * kTokTile));
   const int64_t blocks =
