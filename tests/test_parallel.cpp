@@ -9,7 +9,7 @@
 //                        bitwise the single rank
 //   ParallelControl      the rule reports wrong head slices, shifted experts,
 //                        another model
-//   ParallelMoe          run_stock_moe (hybrid) == stock SP MoE == single-rank
+//   ParallelMoe          the hybrid MoE (sp_shard, moe_ffn, sp_all_gather) == stock SP MoE == single-rank
 //                        moe_ffn, bitwise (and that check sees one negated expert)
 //   ParallelCounts       collectives and bytes per step, derived from the layer plan
 //   ParallelLayout       bad layouts are k3::Errors naming the quantity, before
@@ -635,16 +635,15 @@ TEST(ParallelMoe, StockAndHybridPathsAreBitwiseTheSingleRankMoe) {
         run_threads(W, [&](int w) {
           const int p = L.replica(w), t = L.tp_rank(w);
           const int64_t mm = m_of[p], cw = k3::sp_shard_rows(mm, G);
-          k3::StepEnv env;
-          env.config = &c;
-          env.plan = &plan;
-          env.weights = &weights[w];
-          env.tp = groups[w].tp.get();
-          env.world = groups[w].world.get();
           for (int i = 0; i < 2; ++i) {
             // The hybrid step's MoE: sp_shard -> moe_ffn -> sp_all_gather -> trim.
-            hybrid[i][w].assign(static_cast<size_t>(mm * D), -1.0f);
-            k3::run_stock_moe(env, layers[i], x_of[p].data(), mm, hybrid[i][w].data());
+            {
+              std::vector<float> shard(static_cast<size_t>(cw * D)), y(shard.size()), all(G * shard.size());
+              const int64_t real = k3::sp_shard(x_of[p].data(), mm, D, G, t, shard.data());
+              k3::moe_ffn(c, weights[w].layers[layers[i]].moe, shard.data(), cw, real, *groups[w].world, y.data());
+              k3::sp_all_gather(*groups[w].tp, y.data(), cw, D, all.data());
+              hybrid[i][w].assign(all.begin(), all.begin() + mm * D);
+            }
             // The stock step's MoE: moe_ffn on this rank's shard (gathered by the test).
             std::vector<float> shard(static_cast<size_t>(cw * D));
             const int64_t real = k3::sp_shard(x_of[p].data(), mm, D, G, t, shard.data());
@@ -668,7 +667,7 @@ TEST(ParallelMoe, StockAndHybridPathsAreBitwiseTheSingleRankMoe) {
             EXPECT_TRUE(bit_equal(stock, want)) << "layer " << layers[i] << " replica " << p << ": stock SP MoE";
             for (int t = 0; t < G; ++t)
               EXPECT_TRUE(bit_equal(hybrid[i][p * G + t], want))
-                  << "layer " << layers[i] << " replica " << p << " tp rank " << t << ": run_stock_moe";
+                  << "layer " << layers[i] << " replica " << p << " tp rank " << t << ": hybrid MoE";
             if (mm > 0) {
               // Not vacuous: the MoE changed the rows.
               double norm = 0;

@@ -6,13 +6,15 @@
 
 namespace k3 {
 
+namespace {
+SlotTableOptions table_options(const CacheOptions& o, int dcp_size, int dcp_rank) {
+  return {o.max_slots, o.max_context, o.max_q, o.page_size, o.num_pages, dcp_size, dcp_rank};
+}
+}  // namespace
+
 Caches::Caches(const ModelConfig& c, const CacheOptions& o, int kda_heads, int dcp_size, int dcp_rank)
-    : opt_(o), dcp_size_(dcp_size), dcp_rank_(dcp_rank) {
-  K3_CHECK(o.max_slots >= 1, "cache: max_slots {} must be >= 1", o.max_slots);
-  K3_CHECK(o.max_context >= 1, "cache: max_context {} must be >= 1", o.max_context);
-  K3_CHECK(o.max_q >= 1, "cache: max_q {} must be >= 1", o.max_q);
-  K3_CHECK(o.page_size >= 1, "cache: page_size {} must be >= 1", o.page_size);
-  if (opt_.num_pages == 0) opt_.num_pages = int64_t{o.max_slots} * pages_for(local_tokens(o.max_context));
+    : opt_(o), table_(table_options(o, dcp_size, dcp_rank)), dcp_size_(dcp_size), dcp_rank_(dcp_rank) {
+  opt_.num_pages = table_.num_pages();
   const int64_t H = kda_heads, d = c.kda.head_dim;
   conv_floats_ = H * d * (c.kda.conv_kernel - 1);
   state_floats_ = H * d * d;
@@ -34,39 +36,12 @@ Caches::Caches(const ModelConfig& c, const CacheOptions& o, int kda_heads, int d
       index_.emplace_back(tokens * index_dim_, 0.0f);
     }
   }
-  tables_.resize(static_cast<size_t>(S));
-  for (int64_t p = opt_.num_pages - 1; p >= 0; --p) free_.push_back(static_cast<int32_t>(p));
 }
 
 void Caches::reset_slot(int slot) {
   for (size_t i = 0; i < conv_.size(); ++i) {
     std::fill_n(conv_[i].begin() + slot * 3 * conv_floats_, 3 * conv_floats_, 0.0f);
     std::fill_n(state_[i].begin() + slot * state_floats_, state_floats_, 0.0f);
-  }
-  shrink(slot, 0);
-}
-
-int64_t Caches::local_tokens(int64_t tokens) const {
-  return tokens > dcp_rank_ ? (tokens - dcp_rank_ + dcp_size_ - 1) / dcp_size_ : 0;
-}
-
-void Caches::reserve(int slot, int64_t tokens) {
-  auto& t = tables_[slot];
-  const int64_t need = pages_for(local_tokens(tokens));
-  K3_CHECK(need - static_cast<int64_t>(t.size()) <= free_pages(), "cache: out of KV pages ({} free, {} needed)",
-           free_pages(), need - static_cast<int64_t>(t.size()));
-  while (static_cast<int64_t>(t.size()) < need) {
-    t.push_back(free_.back());
-    free_.pop_back();
-  }
-}
-
-void Caches::shrink(int slot, int64_t tokens) {
-  auto& t = tables_[slot];
-  const int64_t keep = pages_for(local_tokens(tokens));
-  while (static_cast<int64_t>(t.size()) > keep) {
-    free_.push_back(t.back());
-    t.pop_back();
   }
 }
 
@@ -97,7 +72,7 @@ KdaSlotState Caches::kda(int layer, int b) {
 }
 
 float* Caches::page_row(std::vector<float>& pool, int slot, int64_t pos, int64_t width) {
-  const auto& t = tables_[slot];
+  const auto& t = table_.pages(slot);
   K3_CHECK(pos >= 0 && pos % dcp_size_ == dcp_rank_, "internal: position {} is not held by DCP rank {} of {}", pos,
            dcp_rank_, dcp_size_);
   const int64_t local = pos / dcp_size_, page = local / opt_.page_size;

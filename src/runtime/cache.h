@@ -24,6 +24,7 @@
 
 #include "config/model_config.h"
 #include "model/layers.h"
+#include "runtime/slot_table.h"
 
 namespace k3 {
 
@@ -41,16 +42,12 @@ class Caches : public AttentionCache {
   Caches(const ModelConfig& c, const CacheOptions& o, int kda_heads, int dcp_size = 1, int dcp_rank = 0);
 
   const CacheOptions& options() const { return opt_; }
-  int64_t free_pages() const { return static_cast<int64_t>(free_.size()); }
-  int64_t pages_for(int64_t tokens) const { return (tokens + opt_.page_size - 1) / opt_.page_size; }
+  // The slots and pages (runtime/slot_table.h): the Engine admits, steps and commits through it.
+  SlotTable& table() { return table_; }
+  const SlotTable& table() const { return table_; }
 
-  // Slot lifecycle (the Engine validates arguments before calling these).
-  void reset_slot(int slot);                   // zero states, release pages
-  void reserve(int slot, int64_t tokens);      // grow the block table to hold positions < tokens
-  void shrink(int slot, int64_t tokens);       // release pages past `tokens`
-  int64_t local_tokens(int64_t tokens) const;  // positions < tokens held by this DCP rank
-  int64_t new_pages(int64_t from, int64_t to) const { return pages_for(local_tokens(to)) - pages_for(local_tokens(from)); }
-  void commit_kda(int slot, int n);            // history row n-1 -> committed (n >= 1)
+  void reset_slot(int slot);         // zero the slot's committed KDA states
+  void commit_kda(int slot, int n);  // history row n-1 -> committed (n >= 1)
 
   // Binds the step's request b to slot slots[b] (AttentionCache's view).
   void bind(const std::vector<int>& slots) { bound_ = slots; }
@@ -62,6 +59,7 @@ class Caches : public AttentionCache {
   float* page_row(std::vector<float>& pool, int slot, int64_t pos, int64_t width);
 
   CacheOptions opt_;
+  SlotTable table_;
   int64_t conv_floats_ = 0;   // C * (K - 1)
   int64_t state_floats_ = 0;  // H * d * d
   int64_t entry_ = 0;         // R + P
@@ -74,8 +72,6 @@ class Caches : public AttentionCache {
   std::vector<std::vector<float>> state_hist_;  // [kda layer][slot, max_q, H, d, d]
   std::vector<std::vector<float>> kv_;       // [full layer][page, page_size, R + P]
   std::vector<std::vector<float>> index_;    // [full layer][page, page_size, Di]
-  std::vector<std::vector<int32_t>> tables_; // [slot] page ids
-  std::vector<int32_t> free_;
   std::vector<int> bound_;
 };
 

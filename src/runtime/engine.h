@@ -10,13 +10,12 @@
 // On a multi-rank layout every rank of a DP replica holds an Engine with the
 // same requests and calls step() with the same arguments; the replicas step
 // together (a replica with no requests steps with B = 0: the MoE exchange
-// spans every rank). The step kind: `auto` takes the hybrid step for a row
-// count m when q > 1, m % q == 0 and ceil(m / G) <= moe_capacity, else stock
-// (the seed's rule); `stock` and `hybrid` force one.
+// spans every rank). The step kind: choose_step (runtime/steps.h).
 //
 // Bad input (unknown or busy slot, token id out of range, a step past the
 // cache, too many requests) is an Error raised before anything is written, so
-// no other request's state is touched.
+// no other request's state is touched (SlotTable::validate_step, agreed over
+// the world by agree_on_input).
 #pragma once
 
 #include <memory>
@@ -36,7 +35,7 @@ struct EngineOptions {
   EngineOptions(const CacheOptions& c = {}) : cache(c) {}  // NOLINT: a CacheOptions is a complete EngineOptions
   CacheOptions cache;
   StepKind step = StepKind::Auto;
-  int64_t moe_capacity = 256;   // per-rank MoE token capacity (auto's rule)
+  int64_t moe_capacity = 256;   // per-rank MoE token capacity (auto's rule, runtime/steps.h)
   std::vector<int> aux_layers;  // capture the stream entering these layers (0 = embeddings; L = after the last)
 };
 
@@ -55,8 +54,8 @@ class Engine {
 
   int admit();                        // a free slot; Error when all are taken
   void release(int slot);
-  int64_t length(int slot) const;     // committed tokens
-  bool pending(int slot) const;
+  int64_t length(int slot) const { return caches_.table().length(slot); }  // committed tokens
+  bool pending(int slot) const { return caches_.table().pending(slot); }
 
   // tokens [B * q], request b's tokens at [b q, (b+1) q). Returns logits [B * q, V].
   std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens);
@@ -75,13 +74,6 @@ class Engine {
   Comm& world() { return *world_; }
 
  private:
-  struct Slot {
-    bool active = false;
-    int64_t length = 0;
-    int pending_q = 0;
-  };
-  void check_slot(int slot, const char* what) const;
-  void validate_step(std::span<const int> slots, int q, std::span<const int32_t> tokens) const;
 
   std::shared_ptr<const TensorSource> src_;
   ModelConfig config_;
@@ -92,7 +84,6 @@ class Engine {
   ModelWeights weights_;
   Caches caches_;
   std::unique_ptr<CountingComm> tp_, dcp_, world_;
-  std::vector<Slot> slots_;
   StepKind last_step_ = StepKind::Auto;
   std::vector<float> last_aux_;
 };

@@ -1,4 +1,5 @@
-// The two decode steps of one rank (design.md section 2; the seed's HybridStep).
+// The two decode steps of one rank (design.md section 2; the seed's HybridStep),
+// written once over a StepBackend (runtime/step_backend.h) for the CPU and the GPU.
 // A replica's step has m = B q rows; G = TP size, t = this rank's TP index,
 // c = ceil(m / G); sp_shard gives rank t the rows [t c, (t+1) c), zero-padded
 // to c rows (the padding never reaches an expert).
@@ -11,61 +12,62 @@
 // HybridStep, per layer:
 //   AttnRes + input norm on all rows -> attention of the local heads on all rows
 //   -> o_proj partial -> all_reduce (tp) -> AttnRes + post-attention norm on all
-//   rows -> MoE: run_stock_moe (sp_shard, the same MoE module, sp_all_gather, trim)
-//   or run_dense on all rows (replicated weights, no collective).
+//   rows -> MoE: the stock MoE module on the rank's shard, all-gathered back
+//   (sp_shard, moe, sp_all_gather, trim), or the dense MLP on all rows
+//   (replicated weights, no collective).
 // Both end with the final AttnRes, the norm and the vocab-parallel lm_head
 // (its slices all-gathered over tp), so every rank of the replica returns
-// the same logits [m, V]. Aux hidden states: the residual stream bf16(P + m)
+// the same logits [m, V]. Aux hidden states: the residual stream bf16(P + f)
 // after layer l when l + 1 is listed (0: the embeddings), [aux, m, D].
+// A replica with no rows (m = 0) runs only the MoE layers' EP exchanges.
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <string>
 #include <vector>
 
 #include "comm/comm.h"
 #include "config/model_config.h"
-#include "model/layers.h"
-#include "model/weights.h"
+#include "runtime/step_backend.h"
 
 namespace k3 {
-
-enum class StepKind { Auto, Stock, Hybrid };
-const char* step_kind_name(StepKind k);
-
-struct StepEnv {
-  const ModelConfig* config = nullptr;
-  const LayerPlan* plan = nullptr;
-  const ModelWeights* weights = nullptr;
-  AttentionCache* cache = nullptr;
-  Comm* tp = nullptr;
-  Comm* world = nullptr;
-  Dcp dcp;
-  std::vector<int> aux_layers;
-};
 
 // Rows of this rank's shard (c) and how many of them are real tokens.
 int64_t sp_shard_rows(int64_t m, int G);
 int64_t sp_shard(const float* x, int64_t m, int64_t D, int G, int t, float* shard);
 // shard [c, D] of every tp rank -> all [G c, D].
 void sp_all_gather(Comm& tp, const float* shard, int64_t c, int64_t D, float* all);
-// The MoE of layer l on this rank's shard of x [m, D], gathered back: out [m, D].
-void run_stock_moe(const StepEnv& env, int layer, const float* x, int64_t m, float* out);
-// The dense MLP on all m rows with the replicated weights.
-void run_dense(const StepEnv& env, int layer, const float* x, int64_t m, float* out);
 
-struct StepOutput {
-  std::vector<float> logits;  // [m, V] FP32
-  std::vector<float> aux;     // [aux layers, m, D]
+// How a runtime picks the step for a step of `rows` rows and q tokens per request.
+struct StepOptions {
+  StepKind step = StepKind::Auto;
+  int64_t moe_capacity = 256;  // per-rank MoE token capacity (auto's rule)
 };
+// `stock` / `hybrid` force one; `auto` takes hybrid when q > 1, rows % q == 0 and
+// ceil(rows / G) <= moe_capacity (the seed's wide-batch rule), else stock. On one
+// rank (G = 1) the two steps are the same computation and auto takes hybrid.
+StepKind choose_step(const StepOptions& o, int64_t rows, int q, int G);
+
+// Runs `validate`; on a multi-rank layout (world_sum given) the ranks then agree
+// with one 4-byte world sum, so an input that one rank rejects raises an Error
+// on every rank and none is left waiting in a collective.
+void agree_on_input(const std::function<void()>& validate, const std::function<void(float*)>& world_sum);
 
 class StockStep {
  public:
-  static StepOutput run(const StepEnv& env, const int32_t* tokens, const StepShape& shape);
+  static void run(StepBackend& be, const ModelConfig& c, const LayerPlan& plan, const StepRows& rows,
+                  const std::vector<int>& aux_layers);
 };
 
 class HybridStep {
  public:
-  static StepOutput run(const StepEnv& env, const int32_t* tokens, const StepShape& shape);
+  static void run(StepBackend& be, const ModelConfig& c, const LayerPlan& plan, const StepRows& rows,
+                  const std::vector<int>& aux_layers);
 };
+
+// The step of `kind` (Stock or Hybrid).
+void run_step(StepKind kind, StepBackend& be, const ModelConfig& c, const LayerPlan& plan, const StepRows& rows,
+              const std::vector<int>& aux_layers);
 
 }  // namespace k3
