@@ -152,7 +152,8 @@ GpuFill random_fill(uint64_t seed, cudaStream_t s) {
 }  // namespace
 
 int run_bench(const BenchArgs& args) {
-  ops::cuda::Context ctx = ops::cuda::create_context();
+  ops::cuda::ScopedContext owned;
+  ops::cuda::Context& ctx = owned.get();
   cudaStream_t s = reinterpret_cast<cudaStream_t>(ctx.stream);
   const double bw = measure_bandwidth(s, ctx.sm_count);
   fmt::print("HBM read bandwidth (streaming kernel, 4 GiB): {:.0f} GB/s\n", bw / 1e9);
@@ -163,8 +164,7 @@ int run_bench(const BenchArgs& args) {
   ModelConfig c;
   ShardSpec shard;
   GpuRankOptions go;
-  std::shared_ptr<const TensorSource> src;  // the host weights point into it until they are uploaded
-  ModelWeights host;
+  std::shared_ptr<const TensorSource> src;
   bool slice = args.preset == "k3-rank-slice" && args.model_dir.empty();
   if (slice) {
     c = preset_config("full", args.variant);
@@ -181,11 +181,9 @@ int run_bench(const BenchArgs& args) {
       check_shardable(c, shard);
       go.loopback = true;
     }
-    host = load_weights(c, *src, shard);
   } else {
     c = preset_config(args.preset, args.variant);
     src = make_synthetic(c, args.seed);
-    host = load_weights(c, *src);
   }
   const int maxB = *std::max_element(args.batches.begin(), args.batches.end());
   const int maxq = *std::max_element(args.qs.begin(), args.qs.end());
@@ -202,8 +200,7 @@ int run_bench(const BenchArgs& args) {
              slice ? "full K3 shapes" : args.model_dir.empty() ? "preset" : "checkpoint", shard.tp_size,
              shard.world_size / shard.tp_size, shard.world_rank);
   GpuWeights weights = slice ? build_gpu_weights(c, shard, nullptr, random_fill(args.seed, s))
-                             : build_gpu_weights(c, shard, &host, upload_fill());
-  host = ModelWeights{};  // the host copies are no longer needed
+                             : load_gpu_weights(*src, c, shard);
   src.reset();
   const double wbytes = static_cast<double>(weights.bytes);
   GpuRank rank(c, std::move(weights), go, ctx);

@@ -207,6 +207,7 @@ int main(int argc, char** argv) {
         go.max_q = cache.max_q;
         go.max_context = cache.max_context;
         go.page_size = cache.page_size;
+        go.steps = StepOptions{eopts.step, eopts.moe_capacity};
         if (layout.world() == 1 && comm == "local") {
           GpuDecoder decoder(*src, config, go);
           results = generate(decoder, ids, max_new, sp, !dump.empty());
@@ -225,25 +226,13 @@ int main(int argc, char** argv) {
           K3_CHECK(mpi.world_size() == layout.world(), "--comm nccl: {} processes for a world of {} (--tp {} x --dp {})",
                    mpi.world_size(), layout.world(), layout.tp, layout.dp);
           RankGroups groups = make_nccl_groups(layout);
-          ops::cuda::Context ctx = ops::cuda::create_context();
-          try {
-            GpuRankOptions o = go;
-            o.shard = ShardSpec{layout.tp, layout.tp_rank(w), layout.world(), w};
-            o.groups = &groups;
-            check_shardable(config, o.shard);
-            GpuWeights weights;
-            {
-              const ModelWeights host = load_weights(config, *src, o.shard);
-              weights = build_gpu_weights(config, o.shard, &host, upload_fill());
-            }
-            GpuRank rank(config, std::move(weights), o, ctx);
-            GpuDecoder d(rank, config, o, layout, w, *groups.world, /*graphs=*/true);
-            results = generate(d, ids, max_new, sp, !dump.empty());
-          } catch (...) {
-            ops::cuda::destroy_context(ctx);
-            throw;
-          }
-          ops::cuda::destroy_context(ctx);
+          ops::cuda::ScopedContext ctx;
+          GpuRankOptions o = go;
+          o.shard = ShardSpec{layout.tp, layout.tp_rank(w), layout.world(), w};
+          o.groups = &groups;
+          GpuRank rank(config, load_gpu_weights(*src, config, o.shard), o, ctx.get());
+          GpuDecoder d(rank, config, o, layout, w, *groups.world, /*graphs=*/true);
+          results = generate(d, ids, max_new, sp, !dump.empty());
           printer = w == 0;
 #else
           fail("--comm nccl: this build has no NCCL backend (needs NCCL and Open MPI; see CMake option K3_NCCL)");

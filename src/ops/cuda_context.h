@@ -26,4 +26,18 @@ struct Context {
 Context create_context();
 void destroy_context(Context& c);
 
+// A Context owned for a scope: created on construction, destroyed with it.
+class ScopedContext {
+ public:
+  ScopedContext() : c_(create_context()) {}
+  ~ScopedContext() { destroy_context(c_); }
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+  Context& get() { return c_; }
+  Context* operator->() { return &c_; }
+
+ private:
+  Context c_;
+};
+
 }  // namespace k3::ops::cuda

@@ -19,30 +19,25 @@ LocalGpuCluster::LocalGpuCluster(const TensorSource& src, const ModelConfig& con
   groups_ = make_local_gpu_world(layout_);
   try {
     for (int w = 0; w < W; ++w) {
-      contexts_.push_back(std::make_unique<ops::cuda::Context>(ops::cuda::create_context()));
+      contexts_.push_back(std::make_unique<ops::cuda::ScopedContext>());
       GpuRankOptions o = options;
       o.shard = ShardSpec{layout_.tp, layout_.tp_rank(w), W, w};
       o.loopback = false;
       o.groups = &groups_[w];
-      GpuWeights weights;
-      {
-        const ModelWeights host = load_weights(config, src, o.shard);  // freed once on the device
-        weights = build_gpu_weights(config, o.shard, &host, upload_fill());
-      }
-      ranks_.push_back(std::make_unique<GpuRank>(config, std::move(weights), o, *contexts_.back()));
+      ranks_.push_back(std::make_unique<GpuRank>(config, load_gpu_weights(src, config, o.shard), o,
+                                                 contexts_.back()->get()));
     }
   } catch (...) {
-    ranks_.clear();
-    for (auto& c : contexts_) ops::cuda::destroy_context(*c);
+    ranks_.clear();  // before the contexts they run on
     throw;
   }
 }
 
 LocalGpuCluster::~LocalGpuCluster() {
-  for (auto& c : contexts_) cudaStreamSynchronize(c->stream);
+  for (auto& c : contexts_) cudaStreamSynchronize(c->get().stream);
   ranks_.clear();
   groups_.clear();
-  for (auto& c : contexts_) ops::cuda::destroy_context(*c);
+  contexts_.clear();
 }
 
 void LocalGpuCluster::run(const std::function<void(int, GpuRank&)>& fn) {

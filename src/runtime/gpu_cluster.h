@@ -40,7 +40,7 @@ class LocalGpuCluster {
  private:
   Layout layout_;
   int device_ = 0;
-  std::vector<std::unique_ptr<ops::cuda::Context>> contexts_;
+  std::vector<std::unique_ptr<ops::cuda::ScopedContext>> contexts_;
   std::vector<RankGroups> groups_;
   std::vector<std::unique_ptr<GpuRank>> ranks_;
 };

@@ -7,14 +7,8 @@ GpuDecoder::GpuDecoder(const TensorSource& src, const ModelConfig& config, const
     : config_(config), options_(options) {
   K3_CHECK(options.shard.tp_size == 1 && options.shard.world_size == 1 && !options.loopback,
            "gpu generate: one rank holds the whole model (tp = dp = 1)");
-  ctx_ = std::make_unique<ops::cuda::Context>(ops::cuda::create_context());
-  try {
-    const ModelWeights host = load_weights(config, src);
-    owned_ = std::make_unique<GpuRank>(config, build_gpu_weights(config, {}, &host, upload_fill()), options, *ctx_);
-  } catch (...) {
-    ops::cuda::destroy_context(*ctx_);
-    throw;
-  }
+  ctx_ = std::make_unique<ops::cuda::ScopedContext>();
+  owned_ = std::make_unique<GpuRank>(config, load_gpu_weights(src, config, {}), options, ctx_->get());
   rank_ = owned_.get();
 }
 
@@ -33,17 +27,17 @@ GpuDecoder::GpuDecoder(GpuRank& rank, const ModelConfig& config, const GpuRankOp
 }
 
 GpuDecoder::~GpuDecoder() {
-  owned_.reset();
-  if (ctx_) ops::cuda::destroy_context(*ctx_);
+  owned_.reset();  // before the context it runs on
 }
 
 std::vector<float> GpuDecoder::step(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
   rank_->prepare(slots, q, tokens);  // validates before anything is written
-  // The stock and hybrid steps give the same logits (tested); hybrid is the faster on several ranks.
+  // Every rank of a replica sees the same rows, so every rank takes the same step.
+  last_step_ = choose_step(options_.steps, int64_t{static_cast<int64_t>(slots.size())} * q, q, layout_.tp);
   if (graphs_)
-    rank_->run_graph(StepKind::Hybrid);
+    rank_->run_graph(last_step_);
   else
-    rank_->enqueue(StepKind::Hybrid);
+    rank_->enqueue(last_step_);
   return rank_->logits();
 }
 

@@ -6,6 +6,8 @@
 //     since that backend cannot be captured; nccl for a process per GPU, as
 //     graphs). world_sum stages the host floats through a device buffer and
 //     the world group's all-reduce.
+// Each step takes choose_step(options.steps) (runtime/steps.h): --step
+// stock | hybrid | auto on the GPU as on the CPU.
 #pragma once
 
 #include <memory>
@@ -27,6 +29,7 @@ class GpuDecoder : public Decoder {
   GpuDecoder(GpuRank& rank, const ModelConfig& config, const GpuRankOptions& options, const Layout& layout,
              int world_rank, Comm& world, bool graphs);
   ~GpuDecoder() override;
+  StepKind last_step() const { return last_step_; }
 
   const ModelConfig& config() const override { return config_; }
   const Layout& layout() const override { return layout_; }
@@ -47,10 +50,11 @@ class GpuDecoder : public Decoder {
   int world_rank_ = 0;
   Comm* world_ = nullptr;
   bool graphs_ = true;
-  std::unique_ptr<ops::cuda::Context> ctx_;  // owned (one GPU) or null
+  std::unique_ptr<ops::cuda::ScopedContext> ctx_;  // owned (one GPU) or null
   std::unique_ptr<GpuRank> owned_;
   GpuRank* rank_ = nullptr;
   DeviceBuffer staging_;  // world_sum
+  StepKind last_step_ = StepKind::Auto;
 };
 
 }  // namespace k3

@@ -1,25 +1,29 @@
-// GpuRank: one rank's decode step on an NVIDIA GPU, built from the CUDA ops
-// (src/ops/*.cu), with the data flow of runtime/steps.h:
-//   HybridStep: AttnRes on all rows -> attention of the local heads -> o_proj
-//   partial -> all-reduce -> AttnRes -> MoE on the row shard (gathered back) /
-//   dense MLP on all rows; StockStep: the residual on the row shard, all-gather
-//   before attention, reduce-scatter after.
-// Collectives (runtime/gpu_collectives.h): on a one-rank layout they are
-// identities; with `loopback` (the rank-slice benchmark, design.md section 6)
-// each moves the bytes the real collective would move through device copies,
-// and the MoE routes every (row, expert) pair of the rank's shard to one of its
-// local experts (uniform spread, as an EP exchange over W ranks delivers on
-// average); with `groups` (real) they run on the rank's device comms:
+// GpuRank: one rank's decode step on an NVIDIA GPU. It is the GPU's
+// StepBackend (runtime/step_backend.h): the one step loop of runtime/steps.h
+// runs on it, each call enqueuing CUDA ops (src/ops/*.cu) on the rank's stream.
+// Its parts, one file each:
+//   gpu_weights   the weights on the device (one factory for every caller)
+//   gpu_caches    the KDA states and the paged latent / indexer pools
+//   slot_table    the slots, lengths and pages (shared with the CPU engine)
+//   gpu_workspace the scratch, carved by one function per module
+//   gpu_attention the attention modules (KDA, MLA / DSA with DCP)
+//   gpu_moe       the MoE (router, EP exchange, experts, shared experts) and the dense MLP
+//   gpu_graphs    a CUDA graph per (step, B, q)
+//   gpu_profile   per-op-group events (bench --profile)
+// Collectives (runtime/gpu_collectives.h): identities on one rank; with
+// `loopback` (the rank-slice benchmark, design.md section 6) each moves the
+// bytes the real collective would move, and the MoE routes every pair of the
+// rank's shard to one of its local experts (uniform spread, as an EP exchange
+// over W ranks delivers on average); with `groups` (real) they run on the
+// rank's device comms:
 //   TP: all-reduce (hybrid), all-gather / reduce-scatter of row shards (stock),
 //       the MoE shard gathered back (hybrid), the lm_head's vocab all-gather;
-//   DCP (dcp > 1): the cache holds positions p mod D at local index p / D;
-//       queries all-gathered over the DCP group, each rank attends every
-//       gathered head over its positions, partial (o, lse) back to the head's
-//       owner by all-to-all, lse_merge; DSA's top-k global over the shards;
+//   DCP (dcp > 1): the cache holds positions p mod D at local index p / D
+//       (1/D of the context); queries all-gathered over the DCP group, each
+//       rank attends every gathered head over its positions, partial (o, lse)
+//       back to the head's owner by all-to-all, lse_merge; DSA's top-k global;
 //   EP over the world: a fixed-capacity exchange (ops/ep.h) that fits CUDA
-//       graphs: cap = ceil(max_batch max_q / G) k slots per peer, [W, cap] ids
-//       and [W, cap, L] latent rows each way per MoE layer whatever the step's
-//       rows (the same shapes on every rank, nothing read back to the host).
+//       graphs: cap = ceil(max_batch max_q / G) k slots per peer.
 // A replica with no requests steps with B = 0 (prepare() with no slots): only
 // the EP exchanges run, so the other replicas' MoE layers can complete.
 // Everything a step needs is allocated up front; a step issues kernels and
@@ -27,7 +31,6 @@
 // captured once per (kind, B, q) as a CUDA graph and replayed.
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -35,72 +38,39 @@
 
 #include "config/model_config.h"
 #include "core/cuda.h"
-#include "model/weights.h"
 #include "ops/cuda_context.h"
-#include "ops/moe.h"
+#include "runtime/gpu_caches.h"
 #include "runtime/gpu_collectives.h"
+#include "runtime/gpu_graphs.h"
+#include "runtime/gpu_options.h"
+#include "runtime/gpu_profile.h"
+#include "runtime/gpu_weights.h"
+#include "runtime/gpu_workspace.h"
+#include "runtime/slot_table.h"
+#include "runtime/step_backend.h"
 #include "runtime/steps.h"
 
 namespace k3 {
 
-// Device copies of one rank's weights: a ModelWeights whose pointers are device pointers.
-struct GpuWeights {
-  ModelWeights w;
-  std::vector<ops::cuda::Mxfp4ExpertTable> tables;  // per layer (MoE layers only)
-  std::vector<DeviceBuffer> bufs;
-  size_t bytes = 0;
-};
-
-// Fills a device buffer: from `host` (nullptr when building without host weights).
-using GpuFill = std::function<void(void* dev, const void* host, size_t bytes, DType dt, const std::string& role)>;
-GpuWeights build_gpu_weights(const ModelConfig& c, const ShardSpec& shard, const ModelWeights* host,
-                             const GpuFill& fill);
-// The upload fill (cudaMemcpy from host).
-GpuFill upload_fill();
-
-struct GpuRankOptions {
-  int max_slots = 8;
-  int max_batch = 8;            // requests per step
-  int max_q = 16;               // tokens per request per step
-  int64_t max_context = 512;
-  int page_size = 64;
-  ShardSpec shard;              // the split of the weights
-  bool loopback = false;        // collectives move bytes only (tp_size / world_size > 1)
-  RankGroups* groups = nullptr; // real collectives: this rank's device comms (outlive the GpuRank)
-};
-
-// Device scratch of a GpuRank, a pure function of the config and the capacities
-// (allocated once, at construction): the per-layer work area (an upper bound of
-// every layer kind's intermediates at max_batch x max_q rows, plus the gathers
-// and the lm_head slice) and the attention kernels' split-K partials.
-struct GpuWorkspace {
-  size_t work_bytes = 0;   // the per-layer area (layer_bytes) + the step's gathers and lm_head slices
-  size_t layer_bytes = 0;  // the per-layer area alone (what a layer's scratch may use)
-  size_t attention_bytes = 0;
-};
-GpuWorkspace gpu_workspace(const ModelConfig& c, const GpuRankOptions& o);
-
-class GpuRank {
+class GpuRank final : private StepBackend {
  public:
   GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions& o, ops::cuda::Context& ctx);
-  ~GpuRank();
+  ~GpuRank() override;
 
+  const GpuRankOptions& options() const { return o_; }
   int admit();
   void release(int slot);
-  int64_t length(int slot) const { return slots_.at(slot).length; }
+  int64_t length(int slot) const { return table_.length(slot); }
   // Benchmarks: gives a request `length` cached tokens without running them
   // (pages reserved; cache contents as they are).
   void set_context(int slot, int64_t length);
-  // Device pools of the caches (benchmarks fill them with random data).
-  struct Pool {
-    void* ptr;
-    size_t bytes;
-    bool f32;  // F32 (KDA states) or BF16 (latent cache, indexer keys)
-  };
-  std::vector<Pool> cache_pools();
+  using Pool = GpuCaches::Pool;
+  std::vector<Pool> cache_pools() { return caches_.pools(); }  // benchmarks fill them with random data
 
-  // Validates (Error before anything is written), reserves pages and uploads the
-  // step's metadata (async, from pinned staging, outside any graph).
+  // Validates (SlotTable::validate_step; with real collectives the world agrees
+  // on it, so every rank raises when one rejects its input), reserves pages and
+  // uploads the step's metadata (async, from pinned staging, outside any
+  // graph). A prepared step that is not committed may be prepared again.
   void prepare(std::span<const int> slots, int q, std::span<const int32_t> tokens);
   // The step's kernels on the stream (capturable). prepare() first.
   void enqueue(StepKind kind);
@@ -115,62 +85,61 @@ class GpuRank {
   std::vector<std::pair<std::string, double>> profile(StepKind kind);
 
   size_t weight_bytes() const { return weights_.bytes; }
-  size_t cache_bytes() const { return cache_bytes_; }
+  size_t cache_bytes() const { return caches_.bytes(); }
   int64_t rows() const { return int64_t{B_} * q_; }
   CUstream_st* stream() const { return ctx_.stream; }
 
  private:
-  struct Slot {
-    bool active = false;
-    int64_t length = 0;
-    std::vector<int32_t> pages;
-  };
-  void layer(StepKind kind, int l);
-  void attention(int l, const bf16* x, bf16* out);
-  void moe(int l, const bf16* x, int64_t rows, bf16* out);
-  void ep_experts(int l, const bf16* z, const int32_t* idx, const float* wts, int64_t rows, bf16* y, size_t& at);
-  bf16* scratch_bf16(size_t& at, int64_t n);
-  float* scratch_f32(size_t& at, int64_t n);
+  // StepBackend.
+  const ModelWeights& weights() const override { return weights_.w; }
+  void begin(StepKind kind, const StepRows& r) override;
+  void embed(int64_t row0, int64_t rows, int64_t res_rows) override;
+  void attn_res(const ResMix& r) override;
+  void rmsnorm(Act x, const bf16* w, int64_t rows) override;
+  void copy_rows(Act dst, Act src, int64_t rows) override;
+  void attention(int layer, Act x, Act out) override;  // gpu_attention.cpp
+  void moe(int layer, Act x, int64_t row0, int64_t cs, int64_t real, Act out) override;  // gpu_moe.cpp
+  void dense(int layer, Act x, int64_t rows, Act out) override;                           // gpu_moe.cpp
+  void lm_head(Act h, int64_t m) override;
+  void all_gather_rows(Act shard, Act all, int64_t m) override;
+  void reduce_scatter_rows(Act partial, Act shard, int64_t m) override;
+  void all_reduce(Act a, int64_t m) override;
+  void capture_aux(bool with_delta, int64_t rows, bool gather) override;
+
+  bf16* act(Act a);
+  Carve layer_scratch() { return Carve(work_.get<char>(), layer_bytes_); }
+  void kda(int l, const bf16* x, bf16* out);
+  void mla(int l, const bf16* x, bf16* out);
+  void ep_experts(int l, const MoeScratch& m, int64_t rows);
+  void world_sum(float* v);  // real collectives: a 4-byte world all-reduce through the device
+  void mark(const char* label) { prof_.mark(label, ctx_.stream); }
 
   ModelConfig c_;
   GpuWeights weights_;
   GpuRankOptions o_;
   ops::cuda::Context& ctx_;
   LayerPlan plan_;
+  GpuDims dims_;
   int G_ = 1;
   GpuCollectives coll_;
-  int64_t ep_cap_ = 0;    // EP slots per peer (real mode)
-  DeviceBuffer ep_ones_;  // F32 [W ep_cap_] = 1: the weights of the received pairs
-  int Hk_ = 0, Hm_ = 0;  // local KDA / MLA heads
-  int max_pages_ = 0;
-  std::vector<Slot> slots_;
-  std::vector<int32_t> free_pages_;
-  // Caches.
-  std::vector<DeviceBuffer> conv_, conv_hist_, state_, state_hist_;  // per KDA layer: 3 convs, 3 hists, S, S hist
-  std::vector<DeviceBuffer> kv_, index_;                              // per full-attention layer
-  std::vector<int> kda_index_, full_index_;
-  size_t cache_bytes_ = 0;
+  SlotTable table_;
+  GpuCaches caches_;
+  int max_pages_ = 0;     // block table stride (the longest table of a slot)
+  DeviceBuffer ep_ones_;  // F32 [W ep_cap] = 1: the weights of the received pairs
   // Step metadata (device) and its pinned staging.
-  DeviceBuffer d_tokens_, d_slots_, d_pos0_, d_ctx_, d_ctx_local_, d_tables_, d_accepted_;
+  DeviceBuffer d_tokens_, d_slots_, d_pos0_, d_ctx_, d_ctx_local_, d_tables_, d_accepted_, d_agree_;
   void* pinned_ = nullptr;
-  size_t pinned_bytes_ = 0;
   int B_ = 0, q_ = 0;
   bool prepared_ = false;
+  StepKind kind_ = StepKind::Hybrid;  // of the step being enqueued
+  StepRows rows_;
   int64_t max_ctx_ = 0;  // the step's largest visible context
   // Activations and scratch.
   DeviceBuffer P_, blocks_, x_, a_, f_, logits_, work_, attn_scratch_;
-  size_t work_bytes_ = 0, layer_bytes_ = 0, attn_scratch_bytes_ = 0;
-  void mark(const char* label);
-  bool profiling_ = false;
-  std::vector<cudaEvent_t> events_;
-  std::vector<const char*> labels_;
-  size_t n_marks_ = 0;
-  struct Graph {
-    StepKind kind;
-    int B, q;
-    cudaGraphExec_t exec;
-  };
-  std::vector<Graph> graphs_;
+  size_t layer_bytes_ = 0, attn_scratch_bytes_ = 0;
+  StepScratch step_;
+  StepProfiler prof_;
+  GraphCache graphs_;
 };
 
 }  // namespace k3

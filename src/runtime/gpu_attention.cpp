@@ -1,0 +1,151 @@
+// The attention modules on the GPU (GpuRank::attention), the op sequence of
+// the CPU modules in model/layers.h with the rank's caches (gpu_caches.h):
+//   KDA: in_proj -> short conv + SiLU (q, k, v) -> l2norm (q, k) -> gate
+//        (f_b f_a, A_log, dt_bias) and beta -> the chunked recurrence (the state
+//        after each token to the history) -> gated RMSNorm -> o_proj partial;
+//   MLA / DSA: q_a -> norm -> q_b; kv_a -> cache_write (normed latent + rope
+//        part); q absorbed into the latent space -> attend (paged, or DSA: the
+//        indexer's keys cached, scores, top-k, attend the selected) -> (DCP:
+//        partials to the head's owner, lse_merge) -> unabsorb -> sigmoid gate
+//        -> o_proj partial.
+#include <cmath>
+
+#include "ops/dcp.h"
+#include "ops/dsa.h"
+#include "ops/elementwise.h"
+#include "ops/kda.h"
+#include "ops/linear.h"
+#include "ops/mla.h"
+#include "ops/rmsnorm.h"
+#include "ops/short_conv.h"
+#include "runtime/gpu_rank.h"
+
+namespace k3 {
+
+namespace cu = ops::cuda;
+
+#define K3_LAUNCH(expr) CUDA_CHECK(static_cast<cudaError_t>(expr))
+
+void GpuRank::attention(int l, Act x, Act out) {
+  if (weights_.w.layers[l].attn == AttnKind::KDA)
+    kda(l, act(x), act(out));
+  else
+    mla(l, act(x), act(out));
+}
+
+void GpuRank::kda(int l, const bf16* x, bf16* out) {
+  const auto& w = weights_.w.layers[l].kda;
+  auto* s = ctx_.stream;
+  const int64_t D = c_.hidden_size, rows = int64_t{B_} * q_;
+  const int H = w.heads, d = c_.kda.head_dim, K = c_.kda.conv_kernel;
+  const int64_t C = int64_t{H} * d, P = w.in_rows;
+  Carve scratch = layer_scratch();
+  const KdaScratch k = carve_kda(scratch, c_, dims_, rows);
+  mark("kda.in_proj");
+  K3_LAUNCH(cu::linear(ctx_, x, w.in_proj, k.proj, false, rows, D, P));
+  mark("kda.conv_gate");
+  const float* cw[3] = {w.q_conv, w.k_conv, w.v_conv};
+  for (int j = 0; j < 3; ++j)
+    K3_LAUNCH(cu::short_conv_silu(k.proj + j * C, P, cw[j], caches_.conv(l, j), caches_.conv_hist(l, j),
+                                  d_slots_.get<int32_t>(), k.y[j], B_, q_, o_.max_q, C, K, s));
+  K3_LAUNCH(cu::l2norm_heads(k.y[0], k.qn, rows, H, d, 1.0f / std::sqrt(static_cast<float>(d)), s));
+  K3_LAUNCH(cu::l2norm_heads(k.y[1], k.kn, rows, H, d, 1.0f, s));
+  CUDA_CHECK(cudaMemcpy2DAsync(k.fa, d * 2, k.proj + 4 * C, P * 2, d * 2, rows, cudaMemcpyDeviceToDevice, s));
+  K3_LAUNCH(cu::linear(ctx_, k.fa, w.f_b, k.u, false, rows, d, C));
+  K3_LAUNCH(cu::kda_gate(k.u, w.A_log, w.dt_bias, c_.kda.gate_lower_bound, k.g, rows, H, d, s));
+  K3_LAUNCH(cu::kda_beta(k.proj + 4 * C + d, P, k.beta, rows, H, s));
+  mark("kda.recurrence");
+  K3_LAUNCH(cu::kda_recurrence(k.qn, k.kn, k.y[2], k.g, k.beta, caches_.state(l), caches_.state_hist(l),
+                               d_slots_.get<int32_t>(), k.o, B_, q_, o_.max_q, H, d, d, s));
+  mark("kda.norm_o_proj");
+  K3_LAUNCH(cu::kda_gated_norm(k.o, k.proj + 3 * C, P, w.o_norm, c_.rms_norm_eps, k.normed, rows, H, d, s));
+  K3_LAUNCH(cu::linear(ctx_, k.normed, w.o_proj, out, false, rows, C, D));
+}
+
+void GpuRank::mla(int l, const bf16* x, bf16* out) {
+  const auto& w = weights_.w.layers[l].mla;
+  const auto& m = c_.mla;
+  auto* s = ctx_.stream;
+  const int64_t D = c_.hidden_size, rows = int64_t{B_} * q_;
+  const float eps = c_.rms_norm_eps;
+  const int H = w.heads, R = m.kv_lora_rank, P = m.qk_rope_head_dim, dn = m.qk_nope_head_dim, dv = m.v_head_dim;
+  const int64_t Q = m.q_lora_rank, E = R + P;
+  // DCP (Dc > 1): this rank's cache holds positions p = j Dc + dr at local index j.
+  const int Dc = dims_.Dc, dr = coll_.dcp_rank();
+  const int32_t* ctx_here = Dc > 1 ? d_ctx_local_.get<int32_t>() : d_ctx_.get<int32_t>();
+  const int ps = o_.page_size;
+  Carve scratch = layer_scratch();
+  const MlaScratch a = carve_mla(scratch, c_, dims_, rows);
+  mark("mla.proj");
+  K3_LAUNCH(cu::linear(ctx_, x, w.q_a, a.cq, false, rows, D, Q));
+  K3_LAUNCH(cu::rmsnorm(a.cq, w.q_a_norm, a.cq, rows, Q, eps, s));
+  K3_LAUNCH(cu::linear(ctx_, a.cq, w.q_b, a.qf, false, rows, Q, int64_t{H} * (dn + P)));
+  K3_LAUNCH(cu::linear(ctx_, x, w.kv_a, a.kv, false, rows, D, E));
+  K3_LAUNCH(cu::cache_write(a.kv, E, E, w.kv_a_norm, R, eps, d_pos0_.get<int32_t>(), B_, q_, d_tables_.get<int32_t>(),
+                            max_pages_, ps, Dc, dr, caches_.kv(l), s));
+  K3_LAUNCH(cu::mla_absorb_q(ctx_, a.qf, w.kv_b, a.qlat, rows, H, dn, P, dv, R));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(dn + P));
+  // The queries attended here: this rank's heads, or (DCP) every DCP member's, each member's partial
+  // (o, lse) sent back to it and merged below.
+  const bf16* qs = a.qlat;
+  float* po = Dc > 1 ? a.po : a.olat;
+  float* pl = Dc > 1 ? a.pl : a.lse;
+  if (Dc > 1) {
+    mark("collectives");
+    coll_.dcp_all_gather(a.qlat, a.qall, rows * H * E, DType::BF16);
+    qs = a.qall;
+  }
+  mark(w.has_indexer ? "dsa.indexer_attend" : "mla.attend");
+  if (!w.has_indexer) {
+    for (int mb = 0; mb < Dc; ++mb)
+      K3_LAUNCH(cu::mla_attend_paged(qs + mb * rows * H * E, caches_.kv(l), d_tables_.get<int32_t>(), max_pages_, ps,
+                                     ctx_here, B_, q_, static_cast<int>(max_ctx_), H, R, P, scale,
+                                     po + mb * rows * H * R, pl + mb * rows * H, attn_scratch_.get(),
+                                     attn_scratch_bytes_, s));
+  } else {
+    const int Hi = c_.dsa->index_n_heads, Di = c_.dsa->index_head_dim, topk = c_.dsa->index_topk;
+    K3_LAUNCH(cu::linear(ctx_, x, w.indexer.wk, a.ki, false, rows, D, Di));
+    K3_LAUNCH(cu::layernorm(a.ki, w.indexer.k_norm_w, w.indexer.k_norm_b, a.ki, rows, Di, eps, s));
+    K3_LAUNCH(cu::cache_write(a.ki, Di, Di, nullptr, 0, eps, d_pos0_.get<int32_t>(), B_, q_, d_tables_.get<int32_t>(),
+                              max_pages_, ps, Dc, dr, caches_.index_keys(l), s));
+    K3_LAUNCH(cu::linear(ctx_, a.cq, w.indexer.wq_b, a.qi, false, rows, Q, int64_t{Hi} * Di));
+    K3_LAUNCH(cu::linear(ctx_, x, w.indexer.weights_proj, a.wi, true, rows, D, Hi));
+    K3_LAUNCH(cu::scale(a.wi, 1.0f / std::sqrt(static_cast<float>(Di)) / std::sqrt(static_cast<float>(Hi)), rows * Hi,
+                        s));
+    const int max_ctx = static_cast<int>(max_ctx_);
+    K3_LAUNCH(cu::dsa_index_scores_paged(a.qi, a.wi, caches_.index_keys(l), d_tables_.get<int32_t>(), max_pages_, ps,
+                                         ctx_here, B_, q_, max_ctx, Hi, Di, a.scores, s));
+    K3_LAUNCH(cu::topk_indices(a.scores, max_ctx, ctx_here, rows, topk, a.sel, a.cnt, s));
+    if (Dc > 1) {
+      // The global top-k (ops/dcp.h): local candidates, all-gathered, the same selection on every
+      // member, then the selected positions held here as local indices.
+      K3_LAUNCH(cu::dcp_topk_candidates(a.scores, max_ctx, a.sel, a.cnt, rows, topk, Dc, dr, a.cand_s, a.cand_p, s));
+      mark("collectives");
+      coll_.dcp_all_gather(a.cand_s, a.all_s, rows * topk, DType::F32);
+      coll_.dcp_all_gather(a.cand_p, a.all_p, rows * topk, DType::I32);
+      mark("dsa.indexer_attend");
+      K3_LAUNCH(cu::dcp_scatter_candidates(a.all_s, a.all_p, Dc, rows, topk, max_ctx, a.scores, s));
+      K3_LAUNCH(cu::topk_indices(a.scores, max_ctx, d_ctx_.get<int32_t>(), rows, topk, a.sel_g, a.cnt_g, s));
+      K3_LAUNCH(cu::dcp_local_selection(a.sel_g, a.cnt_g, rows, topk, Dc, dr, a.sel, a.cnt, s));
+    }
+    for (int mb = 0; mb < Dc; ++mb)
+      K3_LAUNCH(cu::mla_attend_indexed(qs + mb * rows * H * E, caches_.kv(l), d_tables_.get<int32_t>(), max_pages_,
+                                       ps, a.sel, a.cnt, topk, B_, q_, H, R, P, scale, po + mb * rows * H * R,
+                                       pl + mb * rows * H, attn_scratch_.get(), attn_scratch_bytes_, s));
+  }
+  if (Dc > 1) {
+    mark("collectives");
+    coll_.dcp_all_to_all(po, a.got_o, rows * H * R, DType::F32);
+    coll_.dcp_all_to_all(pl, a.got_lse, rows * H, DType::F32);
+    mark("mla.merge");
+    K3_LAUNCH(cu::lse_merge(a.got_o, a.got_lse, Dc, rows, H, R, a.olat, a.lse, s));
+  }
+  mark("mla.out");
+  K3_LAUNCH(cu::to_bf16(a.olat, a.olat_bf, rows * H * R, s));
+  K3_LAUNCH(cu::mla_unabsorb(ctx_, a.olat_bf, w.kv_b, a.o, rows, H, dn, dv, R));
+  K3_LAUNCH(cu::linear(ctx_, x, w.g_proj, a.gate, false, rows, D, int64_t{H} * dv));
+  K3_LAUNCH(cu::gate_sigmoid(a.o, a.gate, a.o, rows * H * dv, s));
+  K3_LAUNCH(cu::linear(ctx_, a.o, w.o_proj, out, false, rows, int64_t{H} * dv, D));
+}
+
+}  // namespace k3
