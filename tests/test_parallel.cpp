@@ -36,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -688,21 +689,34 @@ TEST(ParallelMoe, BitwiseCheckCatchesOneNegatedExpert) {
   const Model& m = tiny("k3");
   const k3::ModelConfig& c = m.config;
   const int64_t D = c.hidden_size, rows = 32;
-  const int layer = 4, expert = 5;
-  const auto bad_src = mutated(c, [&](k3::MemoryCheckpoint& ck) { negate_expert(ck, layer, expert); });
-  const k3::ModelWeights good = k3::load_weights(c, *m.src), bad = k3::load_weights(c, *bad_src);
+  const int layer = 4;
+  // The tiny preset routes every row of a layer to the k experts of highest gate bias (the k highest are
+  // raised by 1, more than any two sigmoid scores differ: src/io/synthetic.cpp), read here from the bias itself.
+  const k3::ModelWeights good = k3::load_weights(c, *m.src);
+  const float* bias = good.layers[layer].moe.gate_bias;
+  std::vector<int> order(static_cast<size_t>(c.moe.num_experts));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return bias[a] > bias[b]; });
   auto solo = k3::make_local_world(Layout{});
   const std::vector<float> x = random_rows(7, rows, D);
-  std::vector<float> a(x.size()), b(x.size());
+  std::vector<float> a(x.size());
   k3::moe_ffn(c, good.layers[layer].moe, x.data(), rows, rows, *solo[0].world, a.data());
-  k3::moe_ffn(c, bad.layers[layer].moe, x.data(), rows, rows, *solo[0].world, b.data());
-  int changed = 0;
-  for (int64_t r = 0; r < rows; ++r)
-    changed += std::memcmp(&a[r * D], &b[r * D], static_cast<size_t>(D) * sizeof(float)) != 0;
-  std::printf("[ parallel ] moe control: expert %d of layer %d negated changes %d of %lld rows\n", expert, layer,
-              changed, static_cast<long long>(rows));
-  EXPECT_GT(changed, 0);
-  EXPECT_LT(changed, rows);  // only the rows routed to it
+  auto changed_rows = [&](int expert) {
+    const auto bad_src = mutated(c, [&](k3::MemoryCheckpoint& ck) { negate_expert(ck, layer, expert); });
+    const k3::ModelWeights bad = k3::load_weights(c, *bad_src);
+    std::vector<float> b(x.size());
+    k3::moe_ffn(c, bad.layers[layer].moe, x.data(), rows, rows, *solo[0].world, b.data());
+    int changed = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      changed += std::memcmp(&a[r * D], &b[r * D], static_cast<size_t>(D) * sizeof(float)) != 0;
+    return changed;
+  };
+  const int routed = order[0], unrouted = order[static_cast<size_t>(c.moe.experts_per_token)];
+  const int with_routed = changed_rows(routed), with_unrouted = changed_rows(unrouted);
+  std::printf("[ parallel ] moe control: layer %d, expert %d (routed to) negated changes %d of %lld rows, expert %d "
+              "(not routed to) %d\n", layer, routed, with_routed, static_cast<long long>(rows), unrouted, with_unrouted);
+  EXPECT_EQ(with_routed, rows);  // every row goes through it
+  EXPECT_EQ(with_unrouted, 0);   // only the rows routed to an expert see it
 }
 
 // ---------------------------------------------------------------- collective counts
