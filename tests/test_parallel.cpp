@@ -71,24 +71,25 @@ const StepKind kSteps[] = {StepKind::Stock, StepKind::Hybrid};
 // attention's o_proj (per-head-slice partial sums rounded to BF16, then summed)
 // and, with DCP, of the softmax (log-sum-exp merge of position shards);
 // everything else is row-local and bitwise identical. The typical row then
-// differs by ~0.3% of its spread. But the model makes discrete choices (the
+// differs by ~0.3-0.5% of its spread. The model makes discrete choices (the
 // router's top-k, DSA's top-k positions): where two candidates are within that
-// noise, a layout picks the other one, and that row differs by up to ~20% of
-// its spread, and through the caches its request's later rows by a few % too
-// (measured: router margin 4.5e-4 vs 1.4e-3 for the same row on tp 1 / tp 2,
-// an expert swapped at layer 1). Such rows are a minority, so the rule bounds
-// the median tightly, the 80th percentile and the mean less, and the worst row
-// only against garbage (NaN, another model).
+// noise, a layout picks the other one and the row moves by up to ~60% of its
+// spread (and its request's later rows through the caches). The tiny preset's
+// router has no near-ties (a bias gap, src/io/synthetic.cpp); DSA's top-k
+// still has rare ones, so K3.1's worst-row bound is looser.
 // Measured on the tiny presets (every layout of the matrix, printed below; the
 // numbers move when the synthetic weights change):
-//   median <= 0.0030, 80th percentile <= 0.011, mean <= 0.014, worst <= 0.21.
+//   median <= 0.0049, 80th percentile <= 0.0072, mean <= 0.0051,
+//   worst row 0.0148 (K3; 0.52 before the router's bias gap) and 0.0883 (K3.1).
 // Bugs (ParallelControl, emulated by wrong weights in the reference): the weakest,
 // one full-attention layer's head halves swapped, gives median >= 0.019;
 // shifted experts / another seed: median >= 0.21 / 0.75.
 constexpr double kMedianTol = 0.01;  // median row: the discriminating bound
 constexpr double kP80Tol = 0.03;     // 80% of the rows
 constexpr double kMeanTol = 0.04;    // mean over all rows (outlier rows included)
-constexpr double kWorstTol = 0.5;    // any row (a flipped discrete choice, not another model)
+constexpr double kWorstTol = 0.03;      // any row, K3 (measured 0.0148)
+constexpr double kWorstTolDsa = 0.15;   // any row, K3.1: a DSA top-k near-tie (measured 0.0883)
+double worst_tol(const std::string& variant) { return variant == "k3.1" ? kWorstTolDsa : kWorstTol; }
 constexpr double kAuxWorstTol = 1.0; // any hidden-state row (aux): a flipped expert moves it more (measured 0.6)
 
 // ---------------------------------------------------------------- helpers
@@ -212,8 +213,8 @@ struct Ratio {
     }
   }
   // The tolerance rule (above).
-  bool passes() const {
-    return quantile(0.5) <= kMedianTol && quantile(0.8) <= kP80Tol && mean() <= kMeanTol && worst <= kWorstTol;
+  bool passes(double worst_tol = kWorstTol) const {
+    return quantile(0.5) <= kMedianTol && quantile(0.8) <= kP80Tol && mean() <= kMeanTol && worst <= worst_tol;
   }
   std::string summary() const {
     char buf[200];
@@ -439,7 +440,7 @@ TEST_P(ParallelEquivalence, MatchesSingleRank) {
       const Ratio r = compare_layout(per_rank, ref, L, V, what);
       std::printf("[ parallel ] %-14s %-4s %-6s %s\n", layout_name(L).c_str(), variant, k3::step_kind_name(step),
                   r.summary().c_str());
-      expect_within_tolerance(r, what);
+      expect_within_tolerance(r, what, worst_tol(variant));
       if (L.tp == 1) {
         // One rank holds every head: the same sums in the same order as the
         // single rank (EP moves BF16 losslessly), so bitwise identical.
@@ -542,7 +543,7 @@ TEST(ParallelControl, ToleranceRuleCatchesWrongWeights) {
     // Against the right model it passes.
     const Ratio good = compare_layout(per_rank, reference(variant, L.dp, StepKind::Hybrid), L, V, "control");
     std::printf("[ parallel ] control %-4s %-44s %s\n", variant, "right weights", good.summary().c_str());
-    EXPECT_TRUE(good.passes()) << good.summary();
+    EXPECT_TRUE(good.passes(worst_tol(variant))) << good.summary();
 
     const k3::LayerPlan plan = k3::LayerPlan::from(c);
     int full = -1;  // the last full-attention layer (MLA / DSA)
@@ -569,7 +570,7 @@ TEST(ParallelControl, ToleranceRuleCatchesWrongWeights) {
       const Ratio r =
           compare_layout(per_rank, play_reference(bad.model, engine_opts(StepKind::Hybrid), s), L, V, "control");
       std::printf("[ parallel ] control %-4s %-44s %s\n", variant, bad.name.c_str(), r.summary().c_str());
-      EXPECT_FALSE(r.passes()) << variant << " " << bad.name << ": the rule must report it (" << r.summary() << ")";
+      EXPECT_FALSE(r.passes(worst_tol(variant))) << variant << " " << bad.name << ": the rule must report it (" << r.summary() << ")";
       EXPECT_GT(r.quantile(0.5), kMedianTol) << variant << " " << bad.name << ": the median alone must report it";
     }
     {
@@ -1033,7 +1034,7 @@ TEST(ParallelGenerate, DpReplicasGiveTheSingleRankResults) {
       // One request's rows are not independent (a flipped choice carries into its
       // later rows through the caches): only the median and the worst row.
       EXPECT_LE(r.quantile(0.5), kMedianTol) << what << " request 0 logits: " << r.summary();
-      EXPECT_LE(r.worst, kWorstTol) << what << " request 0 logits: " << r.summary();
+      EXPECT_LE(r.worst, worst_tol(variant)) << what << " request 0 logits: " << r.summary();
       if (L.tp == 1) EXPECT_TRUE(bit_equal(got[0].logits, want[0].logits)) << "tp 1: bitwise the single rank";
     }
   }
