@@ -86,6 +86,15 @@ expect_error "negative token id" "$BIN" generate --prompt 1,-4,3 --max-new 2
 expect_error "malformed --prompt (letters)" "$BIN" generate --prompt 1,x,3 --max-new 2
 expect_error "malformed --prompt (empty item)" "$BIN" generate --prompt 1,,3 --max-new 2
 expect_error "malformed --prompt (trailing comma)" "$BIN" generate --prompt 1,2, --max-new 2
+# Sampling parameters that are not numbers in range are refused (not silently greedy).
+for bad in "--temperature nan" "--temperature inf" "--temperature -1" "--temperature 0.7 --top-p nan" \
+           "--temperature 0.7 --top-p 0" "--temperature 0.7 --top-p 1.5" "--top-p inf"; do
+  # shellcheck disable=SC2086
+  expect_error "generate $bad" "$BIN" generate --prompt 1,2 --max-new 2 $bad
+  rc=0; "$BIN" generate --prompt 1,2 --max-new 2 $bad >/dev/null 2>&1 || rc=$?
+  [[ $rc -eq 1 ]] || fail "generate $bad: exit code $rc, expected 1"
+  grep -qE 'temperature|top-p' "$TMP/err.txt" || fail "generate $bad: the message names no parameter: $(cat "$TMP/err.txt")"
+done
 expect_error "unknown --device" "$BIN" generate --device tpu --prompt 1,2 --max-new 2
 expect_error "--device gpu --comm mpi" "$BIN" generate --device gpu --comm mpi --prompt 1,2 --max-new 2
 expect_error "--comm nccl without --device gpu" "$BIN" generate --comm nccl --prompt 1,2 --max-new 2

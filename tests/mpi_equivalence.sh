@@ -10,9 +10,11 @@
 #   1. mpi vs single rank: the logits of the 12 prompt positions and of every
 #      later position whose input tokens agree, by the single-request form of
 #      the tolerance rule of tests/test_parallel.cpp (per row r = max |diff| /
-#      (max - min of the reference row): median <= 0.01, worst <= 0.5; the
-#      worst rows are discrete choices (router / DSA top-k) that flip under
-#      BF16 summation-order noise, and carry into the request's later rows);
+#      (max - min of the reference row): median <= 0.01, worst <= 0.03 (K3) /
+#      0.15 (K3.1); the tiny preset has no router near-ties, the K3.1 worst
+#      rows are DSA top-k near-ties that flip under BF16 summation-order noise
+#      and carry into the request's later rows (test_parallel measured worst
+#      0.0148 / 0.0883 over its layouts);
 #      the first generated token of every request is the same (later ones may
 #      diverge; the count is printed).
 #   2. mpi vs the local backend on the same layout (ranks as threads): both
@@ -108,11 +110,11 @@ def ratios(want, got, vocab, rows):
         out.append(diff / spread if spread > 0 else (0.0 if diff == 0 else float("inf")))
     return out
 
-def rule(rs):
+def rule(rs, variant):
     s = sorted(rs)
     q = lambda f: s[math.ceil(f * (len(s) - 1))]
     stats = dict(median=q(0.5), p80=q(0.8), mean=sum(s) / len(s), worst=s[-1])
-    ok = stats["median"] <= 0.01 and stats["worst"] <= 0.5
+    ok = stats["median"] <= 0.01 and stats["worst"] <= (0.15 if variant == "k3.1" else 0.03)
     return ok, stats
 
 def fmt(stats):
@@ -132,7 +134,7 @@ for case in cases:
     while agree < len(t_mpi[0]) and agree < len(t_single[0]) and t_mpi[0][agree] == t_single[0][agree]:
         agree += 1
     cmp_rows = min(rows_s, PROMPT_LEN + agree)  # rows whose inputs are the same tokens
-    ok, stats = rule(ratios(single, mpi, V, cmp_rows))
+    ok, stats = rule(ratios(single, mpi, V, cmp_rows), variant)
     firsts = [(i, a[0], b[0]) for i, (a, b) in enumerate(zip(t_single, t_mpi)) if a[:1] != b[:1]]
     same = sum(x == y for a, b in zip(t_single, t_mpi) for x, y in zip(a, b))
     total = sum(len(a) for a in t_single)
@@ -151,7 +153,7 @@ for case in cases:
     # 3. control: another model fails the rule.
     if case.endswith("_auto"):
         rows_o, V4, other = load(f"{tmp}/other_{variant}.safetensors")
-        ok_o, stats_o = rule(ratios(other, mpi, V, min(PROMPT_LEN, rows_o)))
+        ok_o, stats_o = rule(ratios(other, mpi, V, min(PROMPT_LEN, rows_o)), variant)
         print(f"{layout} {case:12s} control (model seed 1): {fmt(stats_o)}")
         if ok_o:
             errors.append(f"{case}: the rule did not report a different model ({fmt(stats_o)})")

@@ -727,11 +727,38 @@ TEST(OpsSampling, TopPFollowsTheDocumentedDraw) {
 TEST(OpsSampling, BadParametersThrow) {
   std::vector<float> logits = {0.5f, 1.0f, -0.25f};
   Rng rng(504);
-  for (float t : {0.0f, -1.0f, NAN}) EXPECT_THROW(k3::ops::sample_top_p(logits.data(), 3, t, 0.9f, rng), k3::Error) << t;
-  for (float tp : {0.0f, -0.1f, 1.0001f, 2.0f, NAN}) {
+  for (float t : {0.0f, -1.0f, NAN, INFINITY, -INFINITY})
+    EXPECT_THROW(k3::ops::sample_top_p(logits.data(), 3, t, 0.9f, rng), k3::Error) << t;
+  for (float tp : {0.0f, -0.1f, 1.0001f, 2.0f, NAN, INFINITY, -INFINITY}) {
     EXPECT_THROW(k3::ops::sample_top_p(logits.data(), 3, 1.0f, tp, rng), k3::Error) << tp;
   }
   EXPECT_NO_THROW(k3::ops::sample_top_p(logits.data(), 3, 1e-3f, 1.0f, rng));
+}
+
+// The parameters as a caller (the CLI) gives them: temperature 0 is greedy, so allowed there; NaN, inf and
+// negative temperatures and top-p outside (0, 1] are refused with one line naming the parameter.
+TEST(OpsSampling, CheckSamplingParams) {
+  EXPECT_NO_THROW(k3::ops::check_sampling_params(0.0f, 1.0f));
+  EXPECT_NO_THROW(k3::ops::check_sampling_params(0.7f, 0.9f));
+  EXPECT_NO_THROW(k3::ops::check_sampling_params(1e30f, 1e-6f));
+  auto message = [](float t, float tp) {
+    try {
+      k3::ops::check_sampling_params(t, tp);
+    } catch (const k3::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  for (float t : {NAN, INFINITY, -INFINITY, -1.0f, -1e-30f}) {
+    const std::string m = message(t, 0.9f);
+    EXPECT_NE(m.find("temperature"), std::string::npos) << t << ": " << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
+  for (float tp : {NAN, INFINITY, -INFINITY, 0.0f, -0.5f, 1.0001f}) {
+    const std::string m = message(0.7f, tp);
+    EXPECT_NE(m.find("top-p"), std::string::npos) << tp << ": " << m;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  }
 }
 
 }  // namespace

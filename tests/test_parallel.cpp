@@ -36,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -70,24 +71,25 @@ const StepKind kSteps[] = {StepKind::Stock, StepKind::Hybrid};
 // attention's o_proj (per-head-slice partial sums rounded to BF16, then summed)
 // and, with DCP, of the softmax (log-sum-exp merge of position shards);
 // everything else is row-local and bitwise identical. The typical row then
-// differs by ~0.3% of its spread. But the model makes discrete choices (the
+// differs by ~0.3-0.5% of its spread. The model makes discrete choices (the
 // router's top-k, DSA's top-k positions): where two candidates are within that
-// noise, a layout picks the other one, and that row differs by up to ~20% of
-// its spread, and through the caches its request's later rows by a few % too
-// (measured: router margin 4.5e-4 vs 1.4e-3 for the same row on tp 1 / tp 2,
-// an expert swapped at layer 1). Such rows are a minority, so the rule bounds
-// the median tightly, the 80th percentile and the mean less, and the worst row
-// only against garbage (NaN, another model).
+// noise, a layout picks the other one and the row moves by up to ~60% of its
+// spread (and its request's later rows through the caches). The tiny preset's
+// router has no near-ties (a bias gap, src/io/synthetic.cpp); DSA's top-k
+// still has rare ones, so K3.1's worst-row bound is looser.
 // Measured on the tiny presets (every layout of the matrix, printed below; the
 // numbers move when the synthetic weights change):
-//   median <= 0.0030, 80th percentile <= 0.011, mean <= 0.014, worst <= 0.21.
+//   median <= 0.0049, 80th percentile <= 0.0072, mean <= 0.0051,
+//   worst row 0.0148 (K3; 0.52 before the router's bias gap) and 0.0883 (K3.1).
 // Bugs (ParallelControl, emulated by wrong weights in the reference): the weakest,
 // one full-attention layer's head halves swapped, gives median >= 0.019;
 // shifted experts / another seed: median >= 0.21 / 0.75.
 constexpr double kMedianTol = 0.01;  // median row: the discriminating bound
 constexpr double kP80Tol = 0.03;     // 80% of the rows
 constexpr double kMeanTol = 0.04;    // mean over all rows (outlier rows included)
-constexpr double kWorstTol = 0.5;    // any row (a flipped discrete choice, not another model)
+constexpr double kWorstTol = 0.03;      // any row, K3 (measured 0.0148)
+constexpr double kWorstTolDsa = 0.15;   // any row, K3.1: a DSA top-k near-tie (measured 0.0883)
+double worst_tol(const std::string& variant) { return variant == "k3.1" ? kWorstTolDsa : kWorstTol; }
 constexpr double kAuxWorstTol = 1.0; // any hidden-state row (aux): a flipped expert moves it more (measured 0.6)
 
 // ---------------------------------------------------------------- helpers
@@ -211,8 +213,8 @@ struct Ratio {
     }
   }
   // The tolerance rule (above).
-  bool passes() const {
-    return quantile(0.5) <= kMedianTol && quantile(0.8) <= kP80Tol && mean() <= kMeanTol && worst <= kWorstTol;
+  bool passes(double worst_tol = kWorstTol) const {
+    return quantile(0.5) <= kMedianTol && quantile(0.8) <= kP80Tol && mean() <= kMeanTol && worst <= worst_tol;
   }
   std::string summary() const {
     char buf[200];
@@ -438,7 +440,7 @@ TEST_P(ParallelEquivalence, MatchesSingleRank) {
       const Ratio r = compare_layout(per_rank, ref, L, V, what);
       std::printf("[ parallel ] %-14s %-4s %-6s %s\n", layout_name(L).c_str(), variant, k3::step_kind_name(step),
                   r.summary().c_str());
-      expect_within_tolerance(r, what);
+      expect_within_tolerance(r, what, worst_tol(variant));
       if (L.tp == 1) {
         // One rank holds every head: the same sums in the same order as the
         // single rank (EP moves BF16 losslessly), so bitwise identical.
@@ -541,7 +543,7 @@ TEST(ParallelControl, ToleranceRuleCatchesWrongWeights) {
     // Against the right model it passes.
     const Ratio good = compare_layout(per_rank, reference(variant, L.dp, StepKind::Hybrid), L, V, "control");
     std::printf("[ parallel ] control %-4s %-44s %s\n", variant, "right weights", good.summary().c_str());
-    EXPECT_TRUE(good.passes()) << good.summary();
+    EXPECT_TRUE(good.passes(worst_tol(variant))) << good.summary();
 
     const k3::LayerPlan plan = k3::LayerPlan::from(c);
     int full = -1;  // the last full-attention layer (MLA / DSA)
@@ -568,7 +570,7 @@ TEST(ParallelControl, ToleranceRuleCatchesWrongWeights) {
       const Ratio r =
           compare_layout(per_rank, play_reference(bad.model, engine_opts(StepKind::Hybrid), s), L, V, "control");
       std::printf("[ parallel ] control %-4s %-44s %s\n", variant, bad.name.c_str(), r.summary().c_str());
-      EXPECT_FALSE(r.passes()) << variant << " " << bad.name << ": the rule must report it (" << r.summary() << ")";
+      EXPECT_FALSE(r.passes(worst_tol(variant))) << variant << " " << bad.name << ": the rule must report it (" << r.summary() << ")";
       EXPECT_GT(r.quantile(0.5), kMedianTol) << variant << " " << bad.name << ": the median alone must report it";
     }
     {
@@ -687,21 +689,34 @@ TEST(ParallelMoe, BitwiseCheckCatchesOneNegatedExpert) {
   const Model& m = tiny("k3");
   const k3::ModelConfig& c = m.config;
   const int64_t D = c.hidden_size, rows = 32;
-  const int layer = 4, expert = 5;
-  const auto bad_src = mutated(c, [&](k3::MemoryCheckpoint& ck) { negate_expert(ck, layer, expert); });
-  const k3::ModelWeights good = k3::load_weights(c, *m.src), bad = k3::load_weights(c, *bad_src);
+  const int layer = 4;
+  // The tiny preset routes every row of a layer to the k experts of highest gate bias (the k highest are
+  // raised by 1, more than any two sigmoid scores differ: src/io/synthetic.cpp), read here from the bias itself.
+  const k3::ModelWeights good = k3::load_weights(c, *m.src);
+  const float* bias = good.layers[layer].moe.gate_bias;
+  std::vector<int> order(static_cast<size_t>(c.moe.num_experts));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return bias[a] > bias[b]; });
   auto solo = k3::make_local_world(Layout{});
   const std::vector<float> x = random_rows(7, rows, D);
-  std::vector<float> a(x.size()), b(x.size());
+  std::vector<float> a(x.size());
   k3::moe_ffn(c, good.layers[layer].moe, x.data(), rows, rows, *solo[0].world, a.data());
-  k3::moe_ffn(c, bad.layers[layer].moe, x.data(), rows, rows, *solo[0].world, b.data());
-  int changed = 0;
-  for (int64_t r = 0; r < rows; ++r)
-    changed += std::memcmp(&a[r * D], &b[r * D], static_cast<size_t>(D) * sizeof(float)) != 0;
-  std::printf("[ parallel ] moe control: expert %d of layer %d negated changes %d of %lld rows\n", expert, layer,
-              changed, static_cast<long long>(rows));
-  EXPECT_GT(changed, 0);
-  EXPECT_LT(changed, rows);  // only the rows routed to it
+  auto changed_rows = [&](int expert) {
+    const auto bad_src = mutated(c, [&](k3::MemoryCheckpoint& ck) { negate_expert(ck, layer, expert); });
+    const k3::ModelWeights bad = k3::load_weights(c, *bad_src);
+    std::vector<float> b(x.size());
+    k3::moe_ffn(c, bad.layers[layer].moe, x.data(), rows, rows, *solo[0].world, b.data());
+    int changed = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      changed += std::memcmp(&a[r * D], &b[r * D], static_cast<size_t>(D) * sizeof(float)) != 0;
+    return changed;
+  };
+  const int routed = order[0], unrouted = order[static_cast<size_t>(c.moe.experts_per_token)];
+  const int with_routed = changed_rows(routed), with_unrouted = changed_rows(unrouted);
+  std::printf("[ parallel ] moe control: layer %d, expert %d (routed to) negated changes %d of %lld rows, expert %d "
+              "(not routed to) %d\n", layer, routed, with_routed, static_cast<long long>(rows), unrouted, with_unrouted);
+  EXPECT_EQ(with_routed, rows);  // every row goes through it
+  EXPECT_EQ(with_unrouted, 0);   // only the rows routed to an expert see it
 }
 
 // ---------------------------------------------------------------- collective counts
@@ -1018,7 +1033,7 @@ TEST(ParallelGenerate, DpReplicasGiveTheSingleRankResults) {
       // One request's rows are not independent (a flipped choice carries into its
       // later rows through the caches): only the median and the worst row.
       EXPECT_LE(r.quantile(0.5), kMedianTol) << what << " request 0 logits: " << r.summary();
-      EXPECT_LE(r.worst, kWorstTol) << what << " request 0 logits: " << r.summary();
+      EXPECT_LE(r.worst, worst_tol(variant)) << what << " request 0 logits: " << r.summary();
       if (L.tp == 1) EXPECT_TRUE(bit_equal(got[0].logits, want[0].logits)) << "tp 1: bitwise the single rank";
     }
   }

@@ -728,6 +728,9 @@ void engine_vs_float64(const std::string& variant) {
               all.quantile(0.5), all.quantile(0.95), all.quantile(1.0));
   EXPECT_GE(all.frac_within(0.05), 0.95) << "engine vs float64: more than 5% of positions differ by > 5% of the "
                                             "logit spread (run with K3_REF_DEBUG=1 to find the first diverging layer)";
+  // Worst row: measured 0.0044 of the spread (K3, no router near-tie in the preset; 0.0795 before its bias gap)
+  // and 0.0353 (K3.1: a DSA indexer top-k near-tie); median 0.0023 / 0.0024.
+  EXPECT_LE(all.quantile(1.0), c.is_dsa() ? 0.07 : 0.02) << "engine vs float64: worst position";
   EXPECT_GE(static_cast<double>(all.argmax_agree), 0.9 * static_cast<double>(n)) << "greedy argmax disagrees too often";
   if (c.is_dsa()) {
     std::printf("[ reference ] tiny %s vs DENSE float64: median %.4f  p95 %.4f  (<=5%%: %.1f%% of positions)\n",

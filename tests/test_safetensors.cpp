@@ -101,7 +101,7 @@ void expect_error(F&& f, const std::vector<std::string>& parts) {
 }
 
 k3::ModelConfig shared_config() {
-  return k3::ModelConfig::from_file(std::string(K3_SHARED_DIR) + "/spec/configs/kimi-k3.config.json");
+  return k3::ModelConfig::from_file(std::string(K3_CONFIG_DIR) + "/kimi-k3.config.json");
 }
 
 // ---------------------------------------------------------------- round trips

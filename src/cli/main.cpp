@@ -13,6 +13,7 @@
 #include "config/schema.h"
 #include "io/safetensors.h"
 #include "io/synthetic.h"
+#include "ops/sampling.h"
 #include "runtime/cluster.h"
 #include "runtime/generate.h"
 #ifdef K3_MPI
@@ -182,6 +183,7 @@ int main(int argc, char** argv) {
     if (*gen) {
       std::vector<std::vector<int32_t>> ids;
       for (const auto& p : prompts) ids.push_back(parse_ids(p));
+      k3::ops::check_sampling_params(temperature, top_p);  // NaN / inf / negative: refused, not greedy
       if (temperature > 0) {
         sp.greedy = false;
         sp.temperature = temperature;

@@ -111,7 +111,7 @@ Draw draw_for(const ModelConfig& c, const TensorSpec& s) {
   if (ends_with(n, "A_log")) return {0, std::log(2.0)};  // exp(A_log) in [0.5, 2]
   if (ends_with(n, "dt_bias")) return {-3.0, 1.0};  // exp(g) around 0.7: a KDA memory of several tokens
   if (ends_with(n, "e_score_correction_bias")) return {0, 0.3};
-  if (ends_with(n, "gate.weight")) return {0, 16 * unit};  // router: saturated scores, see make_synthetic
+  if (ends_with(n, "gate.weight")) return {0, 4 * unit};  // router logits of std ~2: the weights vary, see make_synthetic
   if (has(n, "routed_expert_down_proj")) return {0, unit};
   if (has(n, "o_proj") || has(n, "down_proj") || has(n, "routed_expert_up_proj")) return {0, 0.25 * unit};
   return {0, unit};
@@ -184,15 +184,21 @@ std::unique_ptr<MemoryCheckpoint> make_synthetic(const ModelConfig& c, uint64_t 
     if (s.min_numel) stored.shape = {a_log_stored_len(c)};
     Tensor t = float_tensor(stored, draw_for(c, s), rng);
     if (ends_with(s.name, "e_score_correction_bias")) {
-      // Evenly spaced, permuted per layer: with wide router logits most sigmoid
-      // scores sit near 0 or 1, and the bias orders the near-1 experts with
-      // margins far above rounding noise.
+      // Evenly spaced in [-0.3, 0.3] (steps 0.6 / (E - 1)), permuted per layer, and the k highest raised by
+      // 1, the whole range of a sigmoid score: the k-th and (k+1)-th biased scores s + b are then at least
+      // one step apart for ANY input (typically ~1 apart), so no BF16 rounding (nor a summation order) can
+      // flip the choice. The chosen set is the same for every token of a layer (another set per layer); the
+      // unbiased scores still set the combine weights. (With a bias spread below 1, some pair of experts sits
+      // at a tie for some inputs, and a few rows of every test went to the runner-up expert.)
       const int64_t E = s.shape[0];
+      const int64_t k = c.moe.experts_per_token;
       uint64_t stride = 1 + rng.below(static_cast<uint64_t>(E));
       while (std::gcd(stride, static_cast<uint64_t>(E)) != 1) ++stride;  // e -> e * stride mod E permutes
       float* b = t.as<float>();
-      for (int64_t e = 0; e < E; ++e)
-        b[e] = static_cast<float>(-0.3 + 0.6 * static_cast<double>((static_cast<uint64_t>(e) * stride) % E) / (E - 1));
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t rank = static_cast<int64_t>((static_cast<uint64_t>(e) * stride) % E);
+        b[e] = static_cast<float>(-0.3 + 0.6 * static_cast<double>(rank) / (E - 1) + (rank >= E - k ? 1.0 : 0.0));
+      }
     }
     out->add(kTextPrefix + s.name, std::move(t));
   }

@@ -21,10 +21,17 @@ int32_t sample_greedy(const float* logits, int64_t vocab) {
   return static_cast<int32_t>(best);
 }
 
+void check_sampling_params(float temperature, float top_p) {
+  K3_CHECK(std::isfinite(temperature) && temperature >= 0.0f,
+           "temperature {} must be a finite number >= 0 (0 = greedy)", temperature);
+  K3_CHECK(std::isfinite(top_p) && top_p > 0.0f && top_p <= 1.0f, "top-p {} must be a finite number in (0, 1]",
+           top_p);
+}
+
 int32_t sample_top_p(const float* logits, int64_t vocab, float temperature, float top_p, Rng& rng) {
   K3_CHECK(vocab > 0, "sample_top_p: vocab {} must be positive", vocab);
+  check_sampling_params(temperature, top_p);
   K3_CHECK(temperature > 0.0f, "sample_top_p: temperature {} must be > 0", temperature);
-  K3_CHECK(top_p > 0.0f && top_p <= 1.0f, "sample_top_p: top_p {} must be in (0, 1]", top_p);
 
   for (int64_t i = 0; i < vocab; ++i) {
     K3_CHECK(!std::isnan(logits[i]) && logits[i] != INFINITY, "sample_top_p: logit of token {} is {}", i, logits[i]);

@@ -14,6 +14,10 @@
 namespace k3::ops {
 
 int32_t sample_greedy(const float* logits, int64_t vocab);
+// The sampling parameters as a caller gives them: temperature finite and >= 0 (0 = greedy), top_p finite in
+// (0, 1]. Raises a one-line k3::Error naming the parameter otherwise (NaN, inf, negative, out of range).
+void check_sampling_params(float temperature, float top_p);
+// temperature must be > 0 here (and finite), top_p as check_sampling_params.
 int32_t sample_top_p(const float* logits, int64_t vocab, float temperature, float top_p, Rng& rng);
 
 }  // namespace k3::ops

@@ -75,7 +75,9 @@ TEST_P(GpuGenerate, MatchesCpuGenerate) {
   std::printf("[ gpu ] generate %s: prompt rows median %.4f max %.4f of the spread\n", GetParam(),
               ratios[ratios.size() / 2], ratios.back());
   EXPECT_LT(ratios[ratios.size() / 2], 0.01);
-  EXPECT_LT(ratios.back(), 0.15);
+  // Worst row: the CPU engine vs the float64 forward measured 0.0044 (K3) / 0.0353 (K3.1, a DSA top-k near-tie)
+  // with the tiny preset's router bias gap; the same bound with a margin (0.15 before the gap).
+  EXPECT_LT(ratios.back(), 0.07);
   // Tokens: equal, or the first difference is a near-tie of request 0 (checked on the CPU's logits).
   for (size_t i = 0; i < prompts.size(); ++i) {
     ASSERT_EQ(got[i].tokens.size(), static_cast<size_t>(max_new)) << "request " << i;

@@ -35,7 +35,9 @@ namespace k3 {
 namespace {
 
 // The rule of tests/test_parallel.cpp (per row: max |diff| / (max - min of the reference row)).
-constexpr double kMedianTol = 0.01, kP80Tol = 0.03, kMeanTol = 0.04, kWorstTol = 0.5;
+// Worst row 0.15 (was 0.5): the CPU layouts measured 0.0148 (K3) / 0.0883 (K3.1, DSA top-k near-ties) with the
+// tiny preset's router bias gap (test_parallel.cpp), the CPU engine vs float64 0.0044 / 0.0353.
+constexpr double kMedianTol = 0.01, kP80Tol = 0.03, kMeanTol = 0.04, kWorstTol = 0.15;
 
 struct Model {
   ModelConfig config;

@@ -105,7 +105,9 @@ TEST_P(GpuRankVsCpu, LogitsMatchOverPrefillDecodeAndVerify) {
   // a wrong kernel moves every row by O(1).
   EXPECT_LT(median, 0.01);
   EXPECT_LT(p90, 0.03);
-  EXPECT_LT(worst, 0.15);
+  // CPU engine vs float64 forward, worst row: 0.0044 (K3) / 0.0353 (K3.1, DSA top-k near-tie), with the tiny
+  // preset's router bias gap; the same bound with a margin (0.15 before the gap).
+  EXPECT_LT(worst, 0.07);
 }
 
 TEST_P(GpuRankVsCpu, GraphReplayEqualsEager) {
