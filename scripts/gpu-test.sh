@@ -45,6 +45,16 @@ for d in gpu cpu; do
   printf '%s: ' "$d"
   "$bin/k3decode" generate --device "$d" --variant k3.1 --prompt 5,6,7 --prompt 1,2 --max-new 8 --json || status=1
 done | tee "$out/generate.log"
+# --step on the GPU across layouts (ranks as threads): the tokens of both steps beside the CPU's.
+for layout in "--tp 2 --dp 2 --dcp 2" "--tp 4 --dcp 2" "--tp 2 --dp 2"; do
+  for step in stock hybrid; do
+    args=(--variant k3.1 $layout --step "$step" --prompt 5,6,7 --prompt 1,2 --max-new 8 --json)
+    g=$("$bin/k3decode" generate --device gpu "${args[@]}" 2>&1) || status=1
+    c=$("$bin/k3decode" generate --device cpu "${args[@]}" 2>&1) || status=1
+    same=no; [ "$g" = "$c" ] && same=yes
+    printf '%s %s: gpu == cpu: %s\n  gpu: %s\n  cpu: %s\n' "$layout" "$step" "$same" "$g" "$c"
+  done
+done | tee "$out/generate_steps.log"
 if [ "${1:-}" = "--bench" ]; then
   # K3_COMMIT names the build when the binaries were carried (the device copy's git HEAD can be stale).
   commit="${K3_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"

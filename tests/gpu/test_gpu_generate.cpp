@@ -150,6 +150,57 @@ TEST_P(GpuGenerate, MultiRankOnOneGpuMatchesCpu) {
   }
 }
 
+// `--step` on the GPU: every layout below runs the stock and the hybrid step (and auto), the decoder
+// reports the step it took (the option is honoured, not ignored), and the tokens are the CPU's
+// single-rank tokens (or request 0 diverges at a near-tie of the CPU's logits).
+TEST_P(GpuGenerate, EveryStepAndLayoutGivesCpuTokens) {
+  K3_REQUIRE_GPU();
+  const ModelConfig c = preset_config("tiny", GetParam());
+  const std::shared_ptr<MemoryCheckpoint> src = make_synthetic(c, 5);
+  Engine cpu(src, c, EngineOptions(cpu_options()));
+  const std::vector<std::vector<int32_t>> prompts = {{3, 14, 15, 92, 65, 35, 89}, {7, 1}, {11, 12, 13}};
+  SamplingParams sp;
+  sp.stop_at_eos = false;
+  const int max_new = 6;
+  const auto want = generate(cpu, prompts, max_new, sp, true);
+  const int64_t V = c.vocab_size;
+  for (const Layout L : {Layout{1, 1, 1}, Layout{2, 1, 1}, Layout{2, 2, 2}, Layout{4, 1, 2}})
+    for (StepKind kind : {StepKind::Stock, StepKind::Hybrid, StepKind::Auto}) {
+      const std::string what = std::to_string(L.tp) + "x" + std::to_string(L.dp) + "x" + std::to_string(L.dcp) + " " +
+                               step_kind_name(kind);
+      SCOPED_TRACE(what);
+      GpuRankOptions go = gpu_options();
+      go.steps.step = kind;
+      LocalGpuCluster cluster(*src, c, go, L);
+      std::vector<std::vector<GenerateResult>> per_rank(static_cast<size_t>(L.world()));
+      std::vector<StepKind> took(static_cast<size_t>(L.world()));
+      cluster.run([&](int w, GpuRank& r) {
+        GpuDecoder d(r, c, go, L, w, *cluster.groups(w).world, false);
+        per_rank[static_cast<size_t>(w)] = generate(d, prompts, max_new, sp, true);
+        took[static_cast<size_t>(w)] = d.last_step();
+      });
+      // The last step decodes one token per request (q = 1): auto takes stock there on several ranks.
+      const StepKind expect = kind != StepKind::Auto ? kind : L.tp == 1 ? StepKind::Hybrid : StepKind::Stock;
+      for (int w = 0; w < L.world(); ++w)
+        if (per_rank[w][0].tokens.size() == static_cast<size_t>(max_new))
+          EXPECT_EQ(took[w], expect) << "rank " << w << " took " << step_kind_name(took[w]);
+      const auto& got = per_rank[0];
+      for (size_t i = 0; i < prompts.size(); ++i) {
+        size_t same = 0;
+        while (same < got[i].tokens.size() && same < want[i].tokens.size() &&
+               got[i].tokens[same] == want[i].tokens[same])
+          ++same;
+        if (same == static_cast<size_t>(max_new)) continue;
+        ASSERT_EQ(i, 0u) << "request " << i << " diverged at token " << same;
+        const int64_t row = static_cast<int64_t>(prompts[0].size()) + static_cast<int64_t>(same) - 1;
+        const float* w = want[0].logits.data() + row * V;
+        const auto [lo, hi] = std::minmax_element(w, w + V);
+        const double margin = std::fabs(double(w[want[0].tokens[same]]) - w[got[0].tokens[same]]) / (*hi - *lo);
+        EXPECT_LT(margin, 0.01) << "token " << same;
+      }
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Variants, GpuGenerate, ::testing::Values("k3", "k3.1"));
 
 }  // namespace
