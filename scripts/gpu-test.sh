@@ -5,12 +5,24 @@
 # as ranks-as-threads with the local GPU comm), compute-sanitizer memcheck over
 # the tiny-model run and one multi-rank layout, the nccl backend through
 # mpirun -np 1 (when built with K3_NCCL), and (with
-# --bench) the rank-slice benchmark of both variants. Logs go to $OUT (or
-# out/gpu). Uses the binaries in $K3_BIN when given (carried from another
-# machine, with the shared libraries they need beside them), else builds
-# (cmake -G Ninja, all cores).
+# --bench) the rank-slice benchmark of both variants. Logs and the bench JSON
+# go to $OUT (or out/gpu), never into docs/. --history (implies --bench) also
+# appends the bench points to docs/perf/history.csv (scripts/perf-history.py)
+# and leaves a copy of that file in $OUT (on a lent machine only $OUT comes
+# back). Copy the JSON over docs/perf/rank_slice_{k3,k3.1}.json by hand when
+# the run becomes the current one (docs/PERF.md). Uses the binaries in $K3_BIN
+# when given (carried from another machine, with the shared libraries they
+# need beside them), else builds (cmake -G Ninja, all cores).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+bench=0 history=0
+for a in "$@"; do
+  case "$a" in
+    --bench) bench=1 ;;
+    --history) bench=1 history=1 ;;
+    *) echo "usage: scripts/gpu-test.sh [--bench] [--history]" >&2; exit 2 ;;
+  esac
+done
 out="${OUT:-out/gpu}"
 mkdir -p "$out"
 bin="${K3_BIN:-}"
@@ -55,7 +67,7 @@ for layout in "--tp 2 --dp 2 --dcp 2" "--tp 4 --dcp 2" "--tp 2 --dp 2"; do
     printf '%s %s: gpu == cpu: %s\n  gpu: %s\n  cpu: %s\n' "$layout" "$step" "$same" "$g" "$c"
   done
 done | tee "$out/generate_steps.log"
-if [ "${1:-}" = "--bench" ]; then
+if [ "$bench" = 1 ]; then
   # K3_COMMIT names the build when the binaries were carried (the device copy's git HEAD can be stale).
   commit="${K3_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   for v in k3 k3.1; do
@@ -63,5 +75,9 @@ if [ "${1:-}" = "--bench" ]; then
       --batches 1 8 32 64 --q 1 4 --iters 50 --commit "$commit" --json "$out/rank_slice_$v.json" \
       2>&1 | tee "$out/bench_$v.log" || status=1
   done
+  if [ "$history" = 1 ]; then
+    python3 scripts/perf-history.py "$out/rank_slice_k3.json" "$out/rank_slice_k3.1.json" || status=1
+    cp docs/perf/history.csv "$out/history.csv"
+  fi
 fi
 exit $status

@@ -5,7 +5,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-json="$root/docs/perf/rank_slice_k3_34a10a1.json"
+json="$root/docs/perf/rank_slice_k3.json"
 python3 "$root/scripts/plot-bench.py" "$tmp/out.svg" "$json" | grep -q "16 records, 2 panels" || { echo "FAIL: summary"; exit 1; }
 # 16 records (2 steps x 4 row counts x 2 q) + one floor point per (q, rows) = 8.
 points=$(grep -c "<circle" "$tmp/out.svg")
