@@ -36,6 +36,36 @@ GpuRankOptions gpu_options(int slots = 4, int64_t context = 128) {
   return go;
 }
 
+// Tokens of a request that differ from the CPU's must start at a near-tie of the CPU's logits: a margin
+// between the two tokens below what a layout may move a row (the CPU layouts measured worst rows of
+// 0.0148 (K3) and 0.0883 (K3.1, DSA top-k near-ties) of the spread; test_parallel.cpp's bounds). The
+// CPU logits of request i come from a run of that request alone (greedy results do not depend on the
+// batch). Returns the number of equal leading tokens.
+size_t expect_cpu_tokens(const ModelConfig& c, const std::shared_ptr<MemoryCheckpoint>& src,
+                         const std::vector<int32_t>& prompt, const std::vector<int32_t>& want,
+                         const std::vector<int32_t>& got, const std::string& what) {
+  size_t same = 0;
+  while (same < got.size() && same < want.size() && got[same] == want[same]) ++same;
+  if (same == want.size() && got.size() == want.size()) return same;
+  EXPECT_LT(same, got.size()) << what << ": " << got.size() << " tokens for " << want.size();
+  if (same >= got.size() || same >= want.size()) return same;
+  Engine cpu(src, c, EngineOptions(cpu_options()));
+  SamplingParams sp;
+  sp.stop_at_eos = false;
+  const auto one = generate(cpu, {prompt}, static_cast<int>(want.size()), sp, true);
+  EXPECT_EQ(one[0].tokens, want) << what << ": the CPU's tokens depend on the batch";
+  const int64_t V = c.vocab_size;
+  // Generated token `same` was sampled from the row after prompt + same - 1 fed positions.
+  const int64_t row = static_cast<int64_t>(prompt.size()) + static_cast<int64_t>(same) - 1;
+  const float* w = one[0].logits.data() + row * V;
+  const auto [lo, hi] = std::minmax_element(w, w + V);
+  const double margin = std::fabs(double(w[want[same]]) - w[got[same]]) / (*hi - *lo);
+  const double bound = c.is_dsa() ? 0.15 : 0.03;
+  std::printf("[ gpu ] %s: diverged at token %zu, cpu margin %.4f of the spread\n", what.c_str(), same, margin);
+  EXPECT_LT(margin, bound) << what << ": token " << same << ": cpu " << want[same] << " gpu " << got[same];
+  return same;
+}
+
 template <class F>
 void expect_error(F&& fn, const std::string& part) {
   try {
@@ -78,20 +108,12 @@ TEST_P(GpuGenerate, MatchesCpuGenerate) {
   // Worst row: the CPU engine vs the float64 forward measured 0.0044 (K3) / 0.0353 (K3.1, a DSA top-k near-tie)
   // with the tiny preset's router bias gap; the same bound with a margin (0.15 before the gap).
   EXPECT_LT(ratios.back(), 0.07);
-  // Tokens: equal, or the first difference is a near-tie of request 0 (checked on the CPU's logits).
+  // Tokens: equal, or the first difference is a near-tie (checked on the CPU's logits).
   for (size_t i = 0; i < prompts.size(); ++i) {
     ASSERT_EQ(got[i].tokens.size(), static_cast<size_t>(max_new)) << "request " << i;
-    size_t same = 0;
-    while (same < got[i].tokens.size() && got[i].tokens[same] == want[i].tokens[same]) ++same;
+    const size_t same = expect_cpu_tokens(c, src, prompts[i], want[i].tokens, got[i].tokens,
+                                          std::string(GetParam()) + " request " + std::to_string(i));
     std::printf("[ gpu ] generate %s: request %zu: %zu of %d tokens equal\n", GetParam(), i, same, max_new);
-    if (same == got[i].tokens.size()) continue;
-    ASSERT_EQ(i, 0u) << "request " << i << " diverged at token " << same << " (no logits kept to check a near-tie)";
-    // Generated token `same` was sampled from the row after prompt + same - 1 fed positions.
-    const int64_t row = static_cast<int64_t>(prompts[0].size()) + static_cast<int64_t>(same) - 1;
-    const float* w = want[0].logits.data() + row * V;
-    const auto [lo, hi] = std::minmax_element(w, w + V);
-    const double margin = std::fabs(double(w[want[0].tokens[same]]) - w[got[0].tokens[same]]) / (*hi - *lo);
-    EXPECT_LT(margin, 0.01) << "token " << same << ": cpu " << want[0].tokens[same] << " gpu " << got[0].tokens[same];
   }
 }
 
@@ -132,21 +154,11 @@ TEST_P(GpuGenerate, MultiRankOnOneGpuMatchesCpu) {
   for (int w = 1; w < L.world(); ++w)
     for (size_t i = 0; i < prompts.size(); ++i)
       EXPECT_EQ(per_rank[w][i].tokens, per_rank[0][i].tokens) << "rank " << w << " request " << i;
-  const auto& got = per_rank[0];
-  const int64_t V = c.vocab_size;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    size_t same = 0;
-    while (same < got[i].tokens.size() && same < want[i].tokens.size() && got[i].tokens[same] == want[i].tokens[same])
-      ++same;
+    const size_t same = expect_cpu_tokens(c, src, prompts[i], want[i].tokens, per_rank[0][i].tokens,
+                                          std::string(GetParam()) + " tp2_dp2_dcp2 request " + std::to_string(i));
     std::printf("[ gpu ] generate %s tp2_dp2_dcp2: request %zu: %zu of %d tokens equal\n", GetParam(), i, same,
                 max_new);
-    if (same == static_cast<size_t>(max_new)) continue;
-    ASSERT_EQ(i, 0u) << "request " << i << " diverged at token " << same;
-    const int64_t row = static_cast<int64_t>(prompts[0].size()) + static_cast<int64_t>(same) - 1;
-    const float* w = want[0].logits.data() + row * V;
-    const auto [lo, hi] = std::minmax_element(w, w + V);
-    const double margin = std::fabs(double(w[want[0].tokens[same]]) - w[got[0].tokens[same]]) / (*hi - *lo);
-    EXPECT_LT(margin, 0.01) << "token " << same;
   }
 }
 
@@ -163,7 +175,6 @@ TEST_P(GpuGenerate, EveryStepAndLayoutGivesCpuTokens) {
   sp.stop_at_eos = false;
   const int max_new = 6;
   const auto want = generate(cpu, prompts, max_new, sp, true);
-  const int64_t V = c.vocab_size;
   for (const Layout L : {Layout{1, 1, 1}, Layout{2, 1, 1}, Layout{2, 2, 2}, Layout{4, 1, 2}})
     for (StepKind kind : {StepKind::Stock, StepKind::Hybrid, StepKind::Auto}) {
       const std::string what = std::to_string(L.tp) + "x" + std::to_string(L.dp) + "x" + std::to_string(L.dcp) + " " +
@@ -184,20 +195,9 @@ TEST_P(GpuGenerate, EveryStepAndLayoutGivesCpuTokens) {
       for (int w = 0; w < L.world(); ++w)
         if (per_rank[w][0].tokens.size() == static_cast<size_t>(max_new))
           EXPECT_EQ(took[w], expect) << "rank " << w << " took " << step_kind_name(took[w]);
-      const auto& got = per_rank[0];
-      for (size_t i = 0; i < prompts.size(); ++i) {
-        size_t same = 0;
-        while (same < got[i].tokens.size() && same < want[i].tokens.size() &&
-               got[i].tokens[same] == want[i].tokens[same])
-          ++same;
-        if (same == static_cast<size_t>(max_new)) continue;
-        ASSERT_EQ(i, 0u) << "request " << i << " diverged at token " << same;
-        const int64_t row = static_cast<int64_t>(prompts[0].size()) + static_cast<int64_t>(same) - 1;
-        const float* w = want[0].logits.data() + row * V;
-        const auto [lo, hi] = std::minmax_element(w, w + V);
-        const double margin = std::fabs(double(w[want[0].tokens[same]]) - w[got[0].tokens[same]]) / (*hi - *lo);
-        EXPECT_LT(margin, 0.01) << "token " << same;
-      }
+      for (size_t i = 0; i < prompts.size(); ++i)
+        expect_cpu_tokens(c, src, prompts[i], want[i].tokens, per_rank[0][i].tokens,
+                          what + " request " + std::to_string(i));
     }
 }
 
