@@ -179,6 +179,23 @@ TEST(TokenizerReference, RandomBytesRoundTrip) {
   }
 }
 
+// Very long pieces: one 200000-letter word (the heap merge; the JIT stack may
+// overflow on the Kimi pattern and the interpreter takes over), a long run of
+// spaces, and a long text after an invalid byte (all one merged piece).
+TEST(TokenizerReference, LongPieces) {
+  K3_REQUIRE_REFERENCE(dir);
+  Tokenizer tok = Tokenizer::load(dir / "kimi");
+  std::string word;
+  for (int i = 0; i < 200000; ++i) word += "abcdefgh"[(i * 7 + i / 3) % 8];
+  const std::vector<std::string> texts = {word, std::string(100000, ' ') + "x", "\xff" + word.substr(0, 50000),
+                                          std::string(60000, 'z')};
+  for (const auto& t : texts) {
+    auto ids = tok.encode(t);
+    EXPECT_LT(ids.size(), t.size());
+    EXPECT_EQ(tok.decode(ids), t);
+  }
+}
+
 // A fresh directory per test, removed afterwards.
 class TokenizerFiles : public ::testing::Test {
  protected:
