@@ -249,6 +249,7 @@ Tokenizer::Tokenizer(std::vector<std::pair<std::string, int32_t>> ranks, std::ve
              s.content, s.id);
     K3_CHECK(special_ids_.emplace(s.content, s.id).second, "tokenizer: special token {} appears twice", s.content);
   }
+  for (const auto& [id, bytes] : decoder_) n_vocab_ = std::max(n_vocab_, id + 1);
   for (const auto& s : specials_) special_first_[static_cast<uint8_t>(s.content[0])] = true;
   // Longest first, so that at one position the longest special token wins.
   std::stable_sort(specials_.begin(), specials_.end(),
@@ -573,11 +574,6 @@ std::optional<int32_t> Tokenizer::special_id(std::string_view content) const {
   return it->second;
 }
 
-int32_t Tokenizer::n_vocab() const {
-  int32_t top = -1;
-  for (const auto& [id, bytes] : decoder_) top = std::max(top, id);
-  return top + 1;
-}
 
 // ---- the small tokenizer for synthetic checkpoints
 

@@ -75,7 +75,7 @@ class Tokenizer {
   std::optional<int32_t> special_id(std::string_view content) const;
   const std::vector<SpecialToken>& specials() const { return specials_; }
   size_t n_ranks() const { return n_ranks_; }
-  int32_t n_vocab() const;  // largest id + 1
+  int32_t n_vocab() const { return n_vocab_; }  // largest id + 1
 
  private:
   struct Hash {
@@ -99,6 +99,7 @@ class Tokenizer {
   std::unordered_map<std::string, int32_t, Hash, std::equal_to<>> special_ids_;
   std::array<bool, 256> special_first_{};  // first bytes of special tokens
   size_t n_ranks_ = 0;
+  int32_t n_vocab_ = 0;
   std::unique_ptr<Regex> regex_;
 };
 
