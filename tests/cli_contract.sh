@@ -116,6 +116,16 @@ expect_error "unknown preset" "$BIN" generate --preset huge --max-new 2
 expect_error "unknown variant" "$BIN" generate --variant k4 --max-new 2
 expect_error "make-model with an unknown preset" "$BIN" make-model --preset huge --out "$TMP/huge"
 
+# ---- the tokenizer: make-model --tokenizer writes one beside the checkpoint; generate --text uses it
+run "make-model --tokenizer" /dev/null "$BIN" make-model --preset small --seed 0 --tokenizer --out "$TMP/small-tok"
+[[ -f $TMP/small-tok/tiktoken.model && -f $TMP/small-tok/tokenizer_config.json ]] || fail "make-model --tokenizer wrote no tokenizer"
+run "generate --text" "$TMP/text.json" "$BIN" generate --model "$TMP/small-tok" --text "Hello, world!" --max-new 3 --ignore-eos --json
+grep -q '"text":' "$TMP/text.json" || fail "generate --text --json: no \"text\" key: $(cat "$TMP/text.json")"
+echo "tokens $TMP/text.json 3" >>"$CHECKS"
+expect_error "generate --text without a tokenizer" "$BIN" generate --text "Hello" --max-new 2
+expect_error "generate --text on a model without a tokenizer" "$BIN" generate --model "$TMP/model-k3-0" --text "Hello" --max-new 2
+expect_error "make-model --tokenizer on the tiny preset" "$BIN" make-model --preset tiny --tokenizer --out "$TMP/tiny-tok"
+
 # ---- the outputs
 python3 - "$CHECKS" <<'PY'
 import json, struct, sys

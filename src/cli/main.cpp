@@ -8,11 +8,13 @@
 
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "config/schema.h"
 #include "io/safetensors.h"
 #include "io/synthetic.h"
+#include "io/tokenizer.h"
 #include "ops/sampling.h"
 #include "runtime/cluster.h"
 #include "runtime/generate.h"
@@ -103,8 +105,12 @@ int main(int argc, char** argv) {
   float temperature = 0, top_p = 1;
   auto* gen = app.add_subcommand("generate", "decode a prompt (greedy unless --temperature > 0)");
   add_model_args(gen, gm);
-  gen->add_option("--prompt", prompts, "prompt token ids, comma separated; repeat for more requests")
-      ->capture_default_str();
+  auto* prompt_opt = gen->add_option("--prompt", prompts, "prompt token ids, comma separated; repeat for more requests")
+                        ->capture_default_str();
+  std::vector<std::string> texts;
+  gen->add_option("--text", texts, "prompt text, encoded by the --model directory's tokenizer (tiktoken.model); "
+                                   "prints the generated text; repeat for more requests")
+      ->excludes(prompt_opt);
   gen->add_option("--tp", layout.tp, "tensor-parallel group size G")->capture_default_str();
   gen->add_option("--dp", layout.dp, "data-parallel replicas (requests are spread over them)")->capture_default_str();
   gen->add_option("--dcp", layout.dcp, "decode context parallel size inside the TP group")->capture_default_str();
@@ -136,6 +142,9 @@ int main(int argc, char** argv) {
   mk->add_option("--seed", seed, "weight seed")->capture_default_str();
   mk->add_option("--out", out, "output directory")->required();
   mk->add_option("--shard-mb", shard_mb, "largest safetensors file (MB); more go through an index")->capture_default_str();
+  bool with_tokenizer = false;
+  mk->add_flag("--tokenizer", with_tokenizer, "also write a small Kimi-format tokenizer (tiktoken.model + "
+                                              "tokenizer_config.json; presets with a vocabulary of 768+ ids)");
 
   ModelArgs im;
   std::string config_path;
@@ -182,8 +191,17 @@ int main(int argc, char** argv) {
   try {
     if (*gen) {
       std::vector<std::vector<int32_t>> ids;
-      for (const auto& p : prompts) ids.push_back(parse_ids(p));
       k3::ops::check_sampling_params(temperature, top_p);  // NaN / inf / negative: refused, not greedy
+      std::optional<Tokenizer> tok;
+      if (!texts.empty()) {
+        K3_CHECK(!gm.dir.empty() && Tokenizer::present(gm.dir),
+                 "--text needs --model DIR with a tokenizer (DIR/tiktoken.model){}; or pass token ids with --prompt",
+                 gm.dir.empty() ? "" : fmt::format(": {} has none", gm.dir));
+        tok = Tokenizer::load(gm.dir);
+        for (const auto& t : texts) ids.push_back(tok->encode(t));
+      } else {
+        for (const auto& p : prompts) ids.push_back(parse_ids(p));
+      }
       if (temperature > 0) {
         sp.greedy = false;
         sp.temperature = temperature;
@@ -269,7 +287,10 @@ int main(int argc, char** argv) {
       }
       if (json_out) {
         nlohmann::json reqs = nlohmann::json::array();
-        for (const auto& x : results) reqs.push_back({{"tokens", x.tokens}, {"stop", x.hit_eos ? "eos" : "length"}});
+        for (const auto& x : results) {
+          reqs.push_back({{"tokens", x.tokens}, {"stop", x.hit_eos ? "eos" : "length"}});
+          if (tok) reqs.back()["text"] = tok->decode(x.tokens);
+        }
         nlohmann::json j = {{"tokens", r.tokens},
                             {"prompt", ids[0]},
                             {"stop", r.hit_eos ? "eos" : "length"},
@@ -278,9 +299,11 @@ int main(int argc, char** argv) {
                             {"step", step},
                             {"comm", comm},
                             {"model", gm.dir.empty() ? "embedded:" + gm.preset + ":" + gm.variant : gm.dir}};
-        std::cout << j.dump() << "\n";
+        if (tok) j["text"] = tok->decode(r.tokens);
+        // Decoded text may cut a UTF-8 character: replaced (U+FFFD) in JSON.
+        std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
       } else {
-        for (const auto& x : results) std::cout << join(x.tokens, " ") << "\n";
+        for (const auto& x : results) std::cout << (tok ? tok->decode(x.tokens) : join(x.tokens, " ")) << "\n";
       }
 #ifdef K3_CUDA
     } else if (*bench) {
@@ -289,7 +312,11 @@ int main(int argc, char** argv) {
     } else if (*mk) {
       ModelConfig c = preset_config(preset, variant);
       auto src = make_synthetic(c, seed);
+      K3_CHECK(!with_tokenizer || c.vocab_size >= 768,
+               "--tokenizer: the {} preset's vocabulary ({} ids) is too small for a tokenizer (768+; use --preset small)",
+               preset, c.vocab_size);
       write_checkpoint(out, c, *src, static_cast<size_t>(shard_mb * 1e6));
+      if (with_tokenizer) write_small_tokenizer(out, c.vocab_size);
       std::cerr << fmt::format("wrote {} ({} {}, seed {}, {} tensors)\n", out, preset, variant, seed, src->names().size());
     } else if (*ins) {
       ModelConfig c = !config_path.empty() ? ModelConfig::from_file(config_path)
