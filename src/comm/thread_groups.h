@@ -4,7 +4,11 @@
 #pragma once
 
 #include <algorithm>
+#include <exception>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -53,6 +57,24 @@ std::string receive_pieces(const std::vector<const int64_t*>& counts, int rank, 
     at += recv_counts[p];
   }
   return bad;
+}
+
+// Runs fn(rank) for ranks 0..n-1 on one thread each, joins them all, and rethrows the first error.
+inline void run_rank_threads(int n, const std::function<void(int)>& fn) {
+  std::exception_ptr first;
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  for (int w = 0; w < n; ++w)
+    threads.emplace_back([&, w] {
+      try {
+        fn(w);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!first) first = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  if (first) std::rethrow_exception(first);
 }
 
 }  // namespace k3

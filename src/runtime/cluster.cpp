@@ -1,10 +1,8 @@
+// LocalCluster (runtime/cluster.h): Engines as threads of one process.
 #include "runtime/cluster.h"
 
-#include <exception>
-#include <mutex>
-#include <thread>
-
 #include "comm/local.h"
+#include "comm/thread_groups.h"
 
 namespace k3 {
 
@@ -19,20 +17,7 @@ LocalCluster::LocalCluster(std::shared_ptr<const TensorSource> src, const ModelC
 }
 
 void LocalCluster::run(const std::function<void(int, Engine&)>& fn) {
-  std::exception_ptr first;
-  std::mutex mu;
-  std::vector<std::thread> threads;
-  for (int w = 0; w < layout_.world(); ++w)
-    threads.emplace_back([&, w] {
-      try {
-        fn(w, *engines_[w]);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!first) first = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
+  run_rank_threads(layout_.world(), [&](int w) { fn(w, *engines_[w]); });
 }
 
 }  // namespace k3

@@ -1,11 +1,8 @@
 // LocalGpuCluster (runtime/gpu_cluster.h): GpuRanks as threads on one GPU.
 #include "runtime/gpu_cluster.h"
 
-#include <exception>
-#include <mutex>
-#include <thread>
-
 #include "comm/local_gpu.h"
+#include "comm/thread_groups.h"
 
 namespace k3 {
 
@@ -41,21 +38,10 @@ LocalGpuCluster::~LocalGpuCluster() {
 }
 
 void LocalGpuCluster::run(const std::function<void(int, GpuRank&)>& fn) {
-  std::exception_ptr first;
-  std::mutex mu;
-  std::vector<std::thread> threads;
-  for (int w = 0; w < layout_.world(); ++w)
-    threads.emplace_back([&, w] {
-      try {
-        CUDA_CHECK(cudaSetDevice(device_));
-        fn(w, *ranks_[w]);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!first) first = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  if (first) std::rethrow_exception(first);
+  run_rank_threads(layout_.world(), [&](int w) {
+    CUDA_CHECK(cudaSetDevice(device_));
+    fn(w, *ranks_[w]);
+  });
 }
 
 }  // namespace k3
