@@ -1,3 +1,4 @@
+// k3decode bench: the rank slice / a model on one GPU timed as CUDA graph replays against its HBM floor (bench.h).
 #include "bench/bench.h"
 
 #include <fmt/format.h>

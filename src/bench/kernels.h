@@ -1,3 +1,4 @@
+// Benchmark-only kernels: the streaming read that measures HBM bandwidth and a deterministic random fill.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,3 +1,4 @@
+// Comm helpers (comm/comm.h): Layout, CountingComm and the BF16 collectives over any backend.
 #include "comm/comm.h"
 
 #include "ops/reduce.h"

@@ -1,3 +1,4 @@
+// The local comm backend (comm/local.h): ranks as threads of one process, collectives through shared memory.
 #include "comm/local.h"
 #include "comm/thread_groups.h"
 

@@ -1,3 +1,4 @@
+// The mpi comm backend (comm/mpi.h): one process per rank, collectives through Open MPI.
 #include "comm/mpi.h"
 
 #include <mpi.h>

@@ -1,3 +1,4 @@
+// ModelConfig from config.json (every model-critical key required), presets, and the LayerPlan.
 #include "config/model_config.h"
 
 #include <fmt/format.h>

@@ -1,3 +1,4 @@
+// The checkpoint schema (config/schema.h): tensor names, dtypes and shapes; the parameter count.
 #include "config/schema.h"
 
 #include <fmt/format.h>

@@ -1,3 +1,4 @@
+// Tensor / TensorView (core/tensor.h).
 #include "core/tensor.h"
 
 #include <cstdlib>

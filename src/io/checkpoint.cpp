@@ -1,3 +1,4 @@
+// Checkpoint (io/checkpoint.h): a single safetensors file or an index of shards; MemoryCheckpoint.
 #include "io/checkpoint.h"
 
 #include <fmt/format.h>

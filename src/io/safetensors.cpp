@@ -1,3 +1,4 @@
+// The safetensors reader (mmap, the whole header validated first) and writer (io/safetensors.h).
 #include "io/safetensors.h"
 
 #include <fcntl.h>

@@ -1,3 +1,4 @@
+// Synthetic models (io/synthetic.h): make-model checkpoints and the embedded tiny model.
 #include "io/synthetic.h"
 
 #include <algorithm>

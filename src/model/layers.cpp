@@ -1,3 +1,4 @@
+// The K3 modules on the CPU (model/layers.h): KDA, MLA / DSA with DCP, the EP MoE, the dense MLP.
 #include "model/layers.h"
 
 #include <algorithm>

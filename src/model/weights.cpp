@@ -1,3 +1,4 @@
+// One rank's weights loaded and sharded from a TensorSource (model/weights.h).
 #include "model/weights.h"
 
 #include <fmt/format.h>

@@ -1,3 +1,4 @@
+// CPU reference of the elementwise ops (ops/elementwise.h).
 #include "ops/elementwise.h"
 
 #include <cmath>

@@ -1,3 +1,4 @@
+// CPU reference of the embedding lookup (ops/embedding.h).
 #include "ops/embedding.h"
 
 #include "core/error.h"

@@ -1,3 +1,4 @@
+// CPU reference of the BF16 linear layer, FP32 accumulation (ops/linear.h).
 #include "ops/linear.h"
 
 #include "core/error.h"

@@ -1,3 +1,4 @@
+// CPU reference of KDA's causal short convolution + SiLU with per-token history (ops/short_conv.h).
 #include "ops/short_conv.h"
 
 #include <cmath>

@@ -1,3 +1,4 @@
+// Caches (runtime/cache.h): the CPU engine's KDA states and paged latent / indexer pools.
 #include "runtime/cache.h"
 
 #include <algorithm>

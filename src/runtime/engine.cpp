@@ -1,3 +1,4 @@
+// Engine (runtime/engine.h): one rank's CPU decode runtime over the one step loop.
 #include "runtime/engine.h"
 
 #include <algorithm>

@@ -1,3 +1,4 @@
+// generate() over a Decoder (runtime/generate.h): prefill in chunks, greedy or top-p sampling, eos.
 #include "runtime/generate.h"
 
 #include <algorithm>
