@@ -37,6 +37,7 @@
 
 #include "ops/attn_res.h"
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 
 namespace k3::ops::cuda {
 namespace {

@@ -1,7 +1,7 @@
 #include <cublasLt.h>
 
 #include "core/cuda.h"
-#include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/cuda_context.h"
 
 namespace k3::ops::cuda {

@@ -23,6 +23,9 @@
 #include <atomic>
 
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_cp_async.cuh"
+#include "ops/cuda_device.cuh"
+#include "ops/cuda_mma.cuh"
 #include "ops/linear.h"
 
 namespace k3::ops::cuda {

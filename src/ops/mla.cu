@@ -41,7 +41,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "ops/cuda_bf16.cuh"
+#include "ops/cuda_cp_async.cuh"
+#include "ops/cuda_device.cuh"
+#include "ops/cuda_mma.cuh"
 #include "ops/linear.h"
 #include "ops/mla.h"
 
@@ -54,11 +56,7 @@ using detail::allow_optin_smem;
 
 using bf16raw = __nv_bfloat16;
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
+using detail::warp_sum;
 
 // ---------------------------------------------------------------- absorb
 constexpr int kAbsThreads = 128;  // one column of R per thread
@@ -475,8 +473,8 @@ using detail::cp_async16;
 using detail::cp_async_commit;
 using detail::mma_bf16_16816;
 
-__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+using detail::cp_async_wait;
+using detail::cp_async_wait_all;
 
 // S (+)= Q E^T for one M tile and the 16 entries of a warp, K = ek16 (zero padded): per pair of k steps
 // two x4 of E (two n8 tiles: b0, b1 of each) and two x4 of Q; the odd k steps go to slot 1 (4
@@ -647,7 +645,7 @@ __global__ void __launch_bounds__(kThreadsPerMT * kMaxMT, 1) mla_attend_kernel(c
     const int buf = it & 1;
     if (j0 + kBN < c1) load_tile(buf ^ 1);
     cp_async_commit();
-    cp_async_wait_1();  // this thread's copies of tile `it` have landed
+    cp_async_wait<1>();  // this thread's copies of tile `it` have landed
     __syncthreads();    // B0: tile `it` complete; every warp is past the previous P.V
     const uint32_t tile_off = static_cast<uint32_t>(buf * kBN * es * 2);
 
@@ -849,7 +847,7 @@ SplitPlan plan_splits(int64_t ctas, int64_t max_len) {
   return {static_cast<int>((tiles + chunk_tiles - 1) / chunk_tiles), static_cast<int>(chunk_tiles * kBN)};
 }
 
-__device__ __forceinline__ uint32_t ld_u32(const bf16raw* p) { return *reinterpret_cast<const uint32_t*>(p); }
+using detail::ld_u32;
 
 template <bool INDEXED>
 __global__ void __launch_bounds__(kAttThreads) mla_attend16_kernel(const AttendParams p) {
@@ -945,7 +943,7 @@ __global__ void __launch_bounds__(kAttThreads) mla_attend16_kernel(const AttendP
     const int buf = it & 1;
     if (j0 + kBN < c1) load_tile(j0 + kBN, buf ^ 1);
     cp_async_commit();
-    cp_async_wait_1();  // the tile of this iteration has landed
+    cp_async_wait<1>();  // the tile of this iteration has landed
     __syncthreads();
     const bf16raw* Eb = Es + buf * kBN * ek;
 

@@ -25,6 +25,9 @@
 #include <climits>
 
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_cp_async.cuh"
+#include "ops/cuda_device.cuh"
+#include "ops/cuda_mma.cuh"
 #include "ops/moe.h"
 #include "ops/moe_device.cuh"
 

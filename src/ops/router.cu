@@ -28,7 +28,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/router.h"
 
 namespace k3::ops::cuda {
