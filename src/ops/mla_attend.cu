@@ -28,8 +28,6 @@ namespace {
 
 using detail::aligned16;
 
-constexpr int kSMs = 132;     // H200; the split plan's only device assumption (a heuristic)
-constexpr int kMaxSplitCtas = 2 * kSMs;  // a plan with splits never launches more CTAs (bounds the scratch)
 constexpr int kTile16MinGroups = 8;  // groups of <= 16 rows from this many on take the 16-row kernel (below)
 
 AttendShape attend_shape(int rows) {
@@ -42,20 +40,21 @@ AttendShape attend_shape(int rows) {
 // writes a partial (o / l, lse) merged by lse_merge. One CTA per SM (the shared memory of a tile
 // pair), so the cost of s splits in tile times is waves x (tiles per split + 1, the start-up) plus
 // the partials' traffic (rows x R floats written and read back, as a fraction of a tile), spread
-// over the SMs. A plan with splits launches at most kMaxSplitCtas CTAs.
+// over the SMs. A plan with splits launches at most max_split_ctas() CTAs.
 int plan_splits(int64_t ctas, int64_t max_len, int rows_per_cta, int R, int E) {
   const int64_t tiles = (max_len + kBN - 1) / kBN;
   if (tiles <= 1 || ctas <= 0) return 1;
-  const int64_t smax = std::min<int64_t>(tiles, std::max<int64_t>(1, kMaxSplitCtas / ctas));
+  const int64_t sms = detail::device_sm_count();
+  const int64_t smax = std::min<int64_t>(tiles, std::max<int64_t>(1, max_split_ctas() / ctas));
   const double split_tiles =
       2.0 * rows_per_cta * (static_cast<double>(R) + 1) * 4 / (static_cast<double>(kBN) * E * 2);
   int64_t best = 1;
   double best_cost = 0;
   for (int64_t s = 1; s <= smax; ++s) {
     const int64_t per = (tiles + s - 1) / s;
-    const int64_t waves = (ctas * s + kSMs - 1) / kSMs;
+    const int64_t waves = (ctas * s + sms - 1) / sms;
     const double cost = static_cast<double>(waves * (per + 1)) +
-                        (s > 1 ? static_cast<double>(ctas * s) * split_tiles / kSMs : 0.0);
+                        (s > 1 ? static_cast<double>(ctas * s) * split_tiles / sms : 0.0);
     if (s == 1 || cost < best_cost - 1e-9) {
       best = s;
       best_cost = cost;
@@ -75,14 +74,14 @@ size_t partial_bytes(int splits, int64_t T, int H, int R) {
 namespace {
 
 // Scratch for any call with at most `rows` (token, head) rows, groups of at most `group_rows` rows and
-// lengths <= max_len: splits x rows <= rows x min(tiles, kMaxSplitCtas), and splits x CTAs <=
-// kMaxSplitCtas with at most min(group_rows, kMaxRows) rows per CTA. The engine sizes its scratch once
+// lengths <= max_len: splits x rows <= rows x min(tiles, max_split_ctas()), and splits x CTAs <=
+// max_split_ctas() with at most min(group_rows, kMaxRows) rows per CTA. The engine sizes its scratch once
 // for max_batch x max_q and then runs smaller steps, whose plans split more: this bound covers them.
 size_t partial_bound(int64_t rows, int group_rows, int64_t max_len, int R) {
   const int64_t tiles = (max_len + kBN - 1) / kBN;
   if (rows <= 0 || group_rows <= 0 || R <= 0 || tiles <= 1) return 0;
-  const int64_t n = std::min(rows * std::min<int64_t>(tiles, kMaxSplitCtas),
-                             int64_t{kMaxSplitCtas} * std::min(group_rows, kMaxRows));
+  const int64_t max_ctas = max_split_ctas();
+  const int64_t n = std::min(rows * std::min<int64_t>(tiles, max_ctas), max_ctas * std::min(group_rows, kMaxRows));
   return (static_cast<size_t>(n) * static_cast<size_t>(R) + static_cast<size_t>(n)) * sizeof(float);
 }
 

@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "ops/cuda_device.cuh"
+
 namespace k3::ops::cuda::mla_detail {
 
 using bf16raw = __nv_bfloat16;
@@ -61,6 +63,10 @@ struct AttendShape {
 __device__ __forceinline__ uint32_t pack_bf16(bf16raw lo, bf16raw hi) {
   return static_cast<uint32_t>(__bfloat16_as_ushort(lo)) | (static_cast<uint32_t>(__bfloat16_as_ushort(hi)) << 16);
 }
+
+// A plan with splits never launches more CTAs than this (about two waves; it bounds the scratch, see
+// partial_bound): the split plans' only device assumption, the SM count of the current device.
+inline int max_split_ctas() { return 2 * detail::device_sm_count(); }
 
 // Bytes of the partials (o [splits, T, H, R], lse [splits, T, H], FP32) of a split launch (0: no split).
 size_t partial_bytes(int splits, int64_t T, int H, int R);

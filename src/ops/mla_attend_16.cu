@@ -38,7 +38,6 @@ constexpr int kPS = kBN + 8;  // row stride (elements) of the P tiles
 constexpr int kSS = kBN + 4;  // row stride (floats) of the score tile
 constexpr int kMaxNTW = 16;   // n8 tiles of R per warp: R <= 8 * 16 * 4 = 512
 constexpr int kMinChunkTiles = 4;     // a split covers at least 128 entries
-constexpr int kTargetCtas = 2 * 132;  // ~2 waves on an H200 (heuristic only)
 
 static_assert(kAttThreads == kMRows * 8, "softmax mapping: 8 threads per row, 4 columns each");
 static_assert(kAttThreads == kBN * 4, "loader mapping: 4 threads per entry");
@@ -57,10 +56,11 @@ struct SplitPlan {
 SplitPlan plan_splits(int64_t ctas, int64_t max_len) {
   const int64_t tiles = (max_len + kBN - 1) / kBN;
   if (tiles <= 0) return {1, kBN};
-  const int64_t want = (kTargetCtas + ctas - 1) / std::max<int64_t>(ctas, 1);
+  const int64_t target = max_split_ctas();  // ~2 waves (heuristic only)
+  const int64_t want = (target + ctas - 1) / std::max<int64_t>(ctas, 1);
   const int64_t cap = std::max<int64_t>(1, tiles / kMinChunkTiles);
-  // At most kTargetCtas CTAs with splits (so the partials stay inside partial_bound's scratch).
-  const int64_t s0 = std::max<int64_t>(1, std::min({want, cap, kTargetCtas / std::max<int64_t>(ctas, 1)}));
+  // At most max_split_ctas() CTAs with splits (so the partials stay inside partial_bound's scratch).
+  const int64_t s0 = std::max<int64_t>(1, std::min({want, cap, target / std::max<int64_t>(ctas, 1)}));
   const int64_t chunk_tiles = (tiles + s0 - 1) / s0;
   return {static_cast<int>((tiles + chunk_tiles - 1) / chunk_tiles), static_cast<int>(chunk_tiles * kBN)};
 }

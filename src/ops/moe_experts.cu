@@ -747,7 +747,7 @@ int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const flo
   bf16* h = reinterpret_cast<bf16*>(static_cast<char*>(scratch) + meta_bytes);
   bf16* o = h + (pairs * I + 127) / 128 * 128;  // the 256-byte aligned offset of moe_experts_scratch_bytes
 
-  const int sms = ctx.sm_count > 0 ? ctx.sm_count : 132;
+  const int sms = ctx.sm_count > 0 ? ctx.sm_count : detail::device_sm_count();
   const int64_t max_slots = std::min<int64_t>(expert_count, pairs);
   // Token tiles per pass (1 to 3: registers hold the next chunk's activations), for the mean pairs per
   // used expert plus headroom; more pairs take more passes, whose weight re-reads come from L2.
