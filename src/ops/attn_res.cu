@@ -24,7 +24,8 @@
 // So one cluster barrier without out_norm_w, two with it, and one arrive/wait pair before exit: a CTA
 // must not exit while another CTA of its cluster may still read its shared memory, so the last
 // remote read of each CTA is followed by a cluster barrier arrive, and every CTA waits on it last.
-// cs: about 8 CTAs per SM over the grid (8 at <= 132 rows on an H200: latency; 5 at 256 rows), raised
+// cs: about 8 CTAs per SM over the grid, ceil(8 SMs / rows) capped at 8 (decode rows are few and latency
+// bound: more CTAs per row shorten each CTA's slice), raised
 // until at least three CTAs' slices fit one SM's shared memory; at least 64 chunks per CTA.
 //
 // Fallback (pre-sm_90 device, dim % 8 != 0 or unaligned pointers, or slices too large for shared

@@ -369,8 +369,8 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
     if (err != cudaSuccess) return err;
   }
   // Each CTA's tiles run one after another (a round trip to memory each): few tokens take one tile per
-  // CTA to spread over the SMs (one token at 8k: 16 CTAs of 8 tiles were ~25 us), many take up to
-  // kIdxMaxChunkTiles per CTA, so the query tile staged per CTA stays a small share of the traffic.
+  // CTA to spread over the SMs (a few CTAs of many tiles each would serialise their round trips on a
+  // few SMs), many take up to kIdxMaxChunkTiles per CTA, so the query tile staged per CTA stays a small share of the traffic.
   const int64_t tiles = T * ((max_ctx + kKT - 1) / kKT), want_ctas = 4 * int64_t{detail::device_sm_count()};
   p.chunk = kKT * static_cast<int>(std::clamp<int64_t>((tiles + want_ctas - 1) / want_ctas, 1, kIdxMaxChunkTiles));
   const dim3 grid(static_cast<unsigned>((max_ctx + p.chunk - 1) / p.chunk), static_cast<unsigned>(T));

@@ -30,8 +30,9 @@ constexpr int kMergeBatch = 16;  // parts whose loads are in flight together
 // them in the CPU's order. Group g of the G thread groups then sums its share of the parts (contiguous,
 // in order) for its column, kMergeBatch loads in flight at a time, and the G partials are added in group
 // order (fixed for a given D and G; it differs from the CPU's single sum only in rounding). G = 4 when the
-// CTAs are few (one thread per column over ~130 splits was latency bound, ~20 us for one request at
-// 8k), G = 1 when they fill the GPU (4 groups were slower there: 30 -> 46 us at 64 tokens of 33 parts).
+// CTAs are few (one thread per column over a long context's many splits is a long serial chain of
+// loads: four groups cut it to a quarter), G = 1 when they fill the GPU (the groups' extra threads and
+// partial sums then cost more than the shorter chains save).
 template <int G>
 __global__ void __launch_bounds__(kMergeCols * G)
     lse_merge_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH, int R,
@@ -110,8 +111,8 @@ __global__ void __launch_bounds__(kMergeCols * G)
 // 16-byte aligned o: one warp per (t, h), no barriers. Lane d holds part d's lse; every lane forms the max
 // (butterfly), then the weights and their sum in the CPU's order from the lanes (the FP32 operations of
 // lse_merge_kernel<1>, in its order), and sums 4 columns per 128 of every part in order, kMergeColSteps
-// column steps' loads in flight together. (The CTA per (t, h) and 128 columns took 26 us at 2 parts x 256
-// tokens x 12 heads, 12288 CTAs of four barriers each; this kernel 4.2 us.)
+// column steps' loads in flight together. (With few parts the CTA per (t, h) and 128 columns is mostly its
+// four barriers; a warp per row needs none.)
 constexpr int kMergeWarpRows = 8;  // (t, h) rows per CTA, a warp each
 constexpr int kMergeColSteps = 4;  // 128-column steps per pass: R <= 512 in one pass
 __global__ void __launch_bounds__(kMergeWarpRows * 32)
@@ -178,7 +179,7 @@ int lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, in
   if (TH > 0x7fffffffLL) return cudaErrorInvalidValue;
   const size_t smem = sizeof(float) * 2 * static_cast<size_t>(D);
   const dim3 grid(static_cast<unsigned>(TH), static_cast<unsigned>((R + kMergeCols - 1) / kMergeCols));
-  // Few CTAs: 4 thread groups per column (the warp per row was slower there: 32 parts x 8 tokens 6.4 -> 12.1 us).
+  // Few CTAs: 4 thread groups per column (a warp per row would leave most of the GPU idle there).
   if (int64_t{grid.x} * grid.y < 4 * int64_t{detail::device_sm_count()}) {
     lse_merge_kernel<4><<<grid, kMergeCols * 4, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
   } else if (D <= 32 && R % 4 == 0 && aligned16(o_parts) && aligned16(o)) {

@@ -3,9 +3,9 @@
 //   s_j = scale * (q_lat . entry_j);  o_lat = sum_j exp(s_j - lse) c_kv_j,  lse = log sum_j exp(s_j)
 //
 // The earlier kernel, kept for many groups of at most 16 rows (q = 1 decode of many requests, DSA over
-// many tokens), where it measured faster on the H200 (MLA 8192 x 32 requests: 219 vs 263 us; 65536 x 8:
-// 301 vs 514 us): a CTA of 4 warps owns 16 query rows and one chunk of a context in 32-entry tiles
-// (46 KiB of shared memory, several CTAs per SM), S through shared memory, P.V fragments gathered
+// many tokens), where it is faster than the 48-row kernel: its small CTAs fit several per SM, so more
+// entry streams are in flight. A CTA of 4 warps owns 16 query rows and one chunk of a context in
+// 32-entry tiles (46 KiB of shared memory), S through shared memory, P.V fragments gathered
 // element-wise. Same partial outputs and merge as the 48-row kernel (mla_attend_mt.cu).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(kThreadsPerMT * kMaxMT, 1) mla_attend_kernel(c
           acc[i][n][2] *= cg8;
           acc[i][n][3] *= cg8;
         }
-#pragma unroll  // the 4 k steps unrolled: P and E fragments load ahead of their MMAs (unroll 1: 9% slower at 64 x q 4)
+#pragma unroll  // the 4 k steps unrolled: P and E fragments load ahead of their MMAs (unroll 1 waits on each)
       for (int ks = 0; ks < kBN; ks += 16) {
         uint32_t ah[4], al[4];
         ldsm_x4(ah, phi_addr + ks * 2);

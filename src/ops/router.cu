@@ -19,8 +19,8 @@
 //   3. One __syncthreads; warp 0 sums the k values of s in selection order (one serial sum, the CPU's
 //      order, so the sum is bitwise the CPU's) and writes the weights with the CPU's expression.
 // Latency at E = 896: 7 warps, 25 network stages (12 with shuffles) + 5 dependent shared loads + one
-// serial k-sum; measured on the H200 in the rank slice at 5.2 us per call (launch included), where the
-// round-based kernel's 16 dependent rounds of two barriers each took 20 us.
+// serial k-sum, against the round-based kernel's 16 dependent rounds of two barriers each (below): a
+// call's latency is its chain of dependent steps, not its work.
 //
 // Otherwise (k > 32 or E > 4096; not a K3 shape): route_rounds_kernel, k rounds over the row's scores
 // in shared memory, each a strided scan, a warp-shuffle argmax and one across the warps (two barriers
