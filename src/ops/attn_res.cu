@@ -392,8 +392,7 @@ __global__ void __launch_bounds__(kArMaxThreads, 2) attn_res_cluster_kernel(Attn
       ex[h] = lane + h * kWarp < nsrc ? exp(static_cast<double>(sc[h]) - static_cast<double>(smax)) : 0.0;
       z += ex[h];
     }
-#pragma unroll
-    for (int o = kWarp / 2; o > 0; o /= 2) z += __shfl_xor_sync(0xffffffffu, z, o);  // the same in every lane
+    z = detail::warp_sum(z);  // the same in every lane
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (lane + h * kWarp < nsrc) sh.alpha[lane + h * kWarp] = static_cast<float>(ex[h] / z);

@@ -1,7 +1,8 @@
 // Device-side basics of the CUDA ops in this folder (included by .cu files only, C++17): the warp
-// size, warp and block sums (butterfly shuffles: every lane gets the total), the host-side alignment
-// test that picks the vectorized kernels, the 32-bit shared-window address of a pointer, the SM count
-// of the device, and the one way a launcher raises a kernel's dynamic shared-memory limit.
+// size, warp and block sums (butterfly shuffles: every lane gets the total), the sigmoid, the
+// host-side alignment test that picks the vectorized kernels, the 32-bit shared-window address of a
+// pointer, the SM count of the device, and the one way a launcher raises a kernel's dynamic
+// shared-memory limit.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,6 +27,9 @@ __device__ __forceinline__ double warp_sum(double v) {
   for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+
+// 1 / (1 + e^-x) in FP32 with expf, the CPU reference's expression.
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // Sum of v over the block; every thread gets the total. Every thread of the block must call it;
 // red is a __shared__ float[32]. Ends with a barrier, so red may be reused at once.
