@@ -24,7 +24,8 @@
 // So one cluster barrier without out_norm_w, two with it, and one arrive/wait pair before exit: a CTA
 // must not exit while another CTA of its cluster may still read its shared memory, so the last
 // remote read of each CTA is followed by a cluster barrier arrive, and every CTA waits on it last.
-// cs: about 8 CTAs per SM over the grid (8 at <= 132 rows on an H200: latency; 5 at 256 rows), raised
+// cs: about 8 CTAs per SM over the grid, ceil(8 SMs / rows) capped at 8 (decode rows are few and latency
+// bound: more CTAs per row shorten each CTA's slice), raised
 // until at least three CTAs' slices fit one SM's shared memory; at least 64 chunks per CTA.
 //
 // Fallback (pre-sm_90 device, dim % 8 != 0 or unaligned pointers, or slices too large for shared
@@ -37,6 +38,7 @@
 
 #include "ops/attn_res.h"
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 
 namespace k3::ops::cuda {
 namespace {
@@ -390,8 +392,7 @@ __global__ void __launch_bounds__(kArMaxThreads, 2) attn_res_cluster_kernel(Attn
       ex[h] = lane + h * kWarp < nsrc ? exp(static_cast<double>(sc[h]) - static_cast<double>(smax)) : 0.0;
       z += ex[h];
     }
-#pragma unroll
-    for (int o = kWarp / 2; o > 0; o /= 2) z += __shfl_xor_sync(0xffffffffu, z, o);  // the same in every lane
+    z = detail::warp_sum(z);  // the same in every lane
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (lane + h * kWarp < nsrc) sh.alpha[lane + h * kWarp] = static_cast<float>(ex[h] / z);

@@ -1,8 +1,10 @@
+// The CUDA Context of the ops (ops/cuda_context.h): create_context sets up a stream, a cuBLASLt handle and
+// its workspace on the current device and records its SM count and compute capability (Hopper or newer).
 #include <cublasLt.h>
 
 #include "core/cuda.h"
-#include "ops/cuda_bf16.cuh"
 #include "ops/cuda_context.h"
+#include "ops/cuda_device.cuh"
 
 namespace k3::ops::cuda {
 

@@ -20,7 +20,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "ops/cuda_bf16.cuh"
+#include "ops/cuda_cp_async.cuh"
+#include "ops/cuda_device.cuh"
+#include "ops/cuda_mma.cuh"
 #include "ops/dsa.h"
 
 namespace k3::ops::cuda {
@@ -28,13 +30,11 @@ namespace {
 
 using bf16raw = __nv_bfloat16;
 
-__device__ __forceinline__ uint32_t ld_u32(const bf16raw* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
 using detail::cp_async16;
 using detail::cp_async_commit;
+using detail::cp_async_wait;
+using detail::ld_u32;
 using detail::mma_bf16_16816;
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // ---------------------------------------------------------------- indexer scores
 constexpr int kIdxWarps = 4;
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kIdxThreads) dsa_index_scores_kernel(const Ind
       bf16raw* dst = Ks + kn * dk;
       for (int c = part0; c < cpr; c += 2) cp_async16(dst + c * 8, valid ? src + c * 8 : p.pool, valid);
       cp_async_commit();
-      cp_async_wait_all();
+      cp_async_wait<0>();
     }
     __syncthreads();
 
@@ -369,8 +369,8 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
     if (err != cudaSuccess) return err;
   }
   // Each CTA's tiles run one after another (a round trip to memory each): few tokens take one tile per
-  // CTA to spread over the SMs (one token at 8k: 16 CTAs of 8 tiles were ~25 us), many take up to
-  // kIdxMaxChunkTiles per CTA, so the query tile staged per CTA stays a small share of the traffic.
+  // CTA to spread over the SMs (a few CTAs of many tiles each would serialise their round trips on a
+  // few SMs), many take up to kIdxMaxChunkTiles per CTA, so the query tile staged per CTA stays a small share of the traffic.
   const int64_t tiles = T * ((max_ctx + kKT - 1) / kKT), want_ctas = 4 * int64_t{detail::device_sm_count()};
   p.chunk = kKT * static_cast<int>(std::clamp<int64_t>((tiles + want_ctas - 1) / want_ctas, 1, kIdxMaxChunkTiles));
   const dim3 grid(static_cast<unsigned>((max_ctx + p.chunk - 1) / p.chunk), static_cast<unsigned>(T));

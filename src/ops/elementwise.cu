@@ -1,5 +1,10 @@
+// CUDA kernels of the small elementwise ops (math in ops/elementwise.h): gate_sigmoid, add, to_bf16 and
+// scale (grid-stride loops, one value per thread), cache_write (one CTA per row: the optional RMSNorm of
+// its first norm_cols columns, w * bf16(v / rms), then the row into its paged-cache slot) and
+// remap_experts (the bench's loopback routing).
 #include <cuda_bf16.h>
 
+#include "ops/cuda_device.cuh"
 #include "ops/elementwise.h"
 
 namespace k3::ops::cuda {
@@ -15,7 +20,7 @@ __device__ __forceinline__ void st(bf16* p, int64_t i, float v) {
 
 __global__ void gate_sigmoid_kernel(const bf16* o, const bf16* g, bf16* out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    st(out, i, ld(o, i) * (1.0f / (1.0f + expf(-ld(g, i)))));
+    st(out, i, ld(o, i) * detail::sigmoid(ld(g, i)));
 }
 __global__ void add_kernel(const bf16* a, const bf16* b, bf16* out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
@@ -50,12 +55,12 @@ __global__ void cache_write_kernel(const bf16* x, int64_t ldx, int64_t width, co
       const float v = ld(src, i);
       s += v * v;
     }
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s = detail::warp_sum(s);
     if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = s;
     __syncthreads();
     if (threadIdx.x < 32) {
       float t = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0.0f;
-      for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+      t = detail::warp_sum(t);
       if (threadIdx.x == 0) part[0] = t;
     }
     __syncthreads();

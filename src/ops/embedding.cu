@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "core/cuda.h"
-#include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/embedding.h"
 
 namespace k3::ops::cuda {

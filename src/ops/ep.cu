@@ -10,6 +10,7 @@
 
 #include "core/cuda.h"
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/ep.h"
 
 namespace k3::ops::cuda {

@@ -15,6 +15,8 @@
 
 #include <cstdint>
 
+#include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/kda.h"
 
 namespace k3::ops::cuda {
@@ -22,21 +24,10 @@ namespace {
 
 using bf16raw = __nv_bfloat16;
 
-__device__ __forceinline__ float sigmoid_f(float z) { return 1.0f / (1.0f + expf(-z)); }
-__device__ __forceinline__ float round_bf(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-__device__ __forceinline__ double warp_sum(double v) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+using detail::aligned16;
+using detail::warp_sum;
+using detail::round_bf16_dev;
+using detail::sigmoid;
 
 constexpr int kEltThreads = 256;
 constexpr int kNormWarps = 8;  // (row, head) pairs per CTA of the per-head norms
@@ -50,7 +41,7 @@ __global__ void kda_gate_kernel(const bf16raw* __restrict__ u, const float* __re
   if (i >= n) return;
   const int64_t j = i % (static_cast<int64_t>(H) * dk);
   const float a = expf(A_log[j / dk]);
-  g[i] = lower_bound * sigmoid_f(a * (__bfloat162float(u[i]) + dt_bias[j]));
+  g[i] = lower_bound * sigmoid(a * (__bfloat162float(u[i]) + dt_bias[j]));
 }
 
 __global__ void kda_beta_kernel(const bf16raw* __restrict__ b, int64_t b_ld, float* __restrict__ beta, int64_t n,
@@ -58,7 +49,7 @@ __global__ void kda_beta_kernel(const bf16raw* __restrict__ b, int64_t b_ld, flo
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kEltThreads + threadIdx.x;
   if (i >= n) return;
   const int64_t r = i / H, h = i % H;
-  beta[i] = sigmoid_f(__bfloat162float(b[r * b_ld + h]));
+  beta[i] = sigmoid(__bfloat162float(b[r * b_ld + h]));
 }
 
 __global__ void l2norm_heads_kernel(const bf16raw* __restrict__ x, float* __restrict__ out, int64_t pairs, int d,
@@ -93,8 +84,8 @@ __global__ void kda_gated_norm_kernel(const float* __restrict__ o, const bf16raw
   const float inv = 1.0f / sqrtf(static_cast<float>(ss / dv) + eps);
   bf16raw* yr = out + p * dv;
   for (int j = lane; j < dv; j += 32) {
-    const float n = round_bf(w[j] * round_bf(orow[j] * inv));
-    yr[j] = __float2bfloat16_rn(n * sigmoid_f(__bfloat162float(grow[j])));
+    const float n = round_bf16_dev(w[j] * round_bf16_dev(orow[j] * inv));
+    yr[j] = __float2bfloat16_rn(n * sigmoid(__bfloat162float(grow[j])));
   }
 }
 

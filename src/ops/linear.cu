@@ -24,6 +24,7 @@
 #include <utility>
 
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/linear.h"
 
 namespace k3::ops::cuda {

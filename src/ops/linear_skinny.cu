@@ -23,6 +23,9 @@
 #include <atomic>
 
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_cp_async.cuh"
+#include "ops/cuda_device.cuh"
+#include "ops/cuda_mma.cuh"
 #include "ops/linear.h"
 
 namespace k3::ops::cuda {
@@ -243,7 +246,7 @@ int launch_skinny(const Context& ctx, const bf16* x, const bf16* w, void* y, boo
   const int64_t chunks = (in + kSkChunk - 1) / kSkChunk;
   if (tiles > 0x7fffffff) return cudaErrorInvalidConfiguration;
   // Splits: enough CTAs for one full wave, each split at least one chunk, the partials in the workspace.
-  const int64_t wave = int64_t{ctx.sm_count > 0 ? ctx.sm_count : 132} * per_sm;
+  const int64_t wave = int64_t{ctx.sm_count > 0 ? ctx.sm_count : detail::device_sm_count()} * per_sm;
   int64_t splits = std::clamp<int64_t>(wave / tiles, 1, std::min<int64_t>(chunks, 65535));
   const int64_t split_bytes = rows * out * static_cast<int64_t>(sizeof(float));
   const bool ws_ok = ctx.workspace != nullptr && (reinterpret_cast<uintptr_t>(ctx.workspace) % 16) == 0;

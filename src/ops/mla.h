@@ -49,9 +49,9 @@ namespace k3::ops::cuda {
 // The per-head products of absorb and unabsorb take one of two paths (LinearPath, ops/linear.h): CublasLt
 // (and Auto) = one strided-batched cuBLASLt product over the heads (tensor cores, FP32 accumulation in its
 // own order; the kernels if it has no algorithm); Kernel = the hand-written kernels (FP32 sums in the
-// CPU's order, CUDA cores). On the H200 at K3's shapes cuBLASLt is faster at every token count measured,
-// 1 to 256 (kernel -> cuBLASLt: absorb 11.7 -> 3.7 us at 1 token, 26.1 -> 5.8 us at 256; unabsorb 5.5 ->
-// 3.3 and 91.4 -> 3.4 us; docs/perf/ops_mla_aba16b5.log).
+// CPU's order, CUDA cores). Auto takes cuBLASLt: its tensor cores beat the CUDA-core kernels at K3's
+// shapes at every token count (docs/perf/ops_mla_aba16b5.log); the kernels stay as the fallback and the
+// CPU-order path the GPU tests compare against.
 
 // q BF16 [T, H, dn+P], w_kvb BF16 [H*(dn+dv), R] -> q_lat BF16 [T, H, R+P].
 int mla_absorb_q(const Context& ctx, const bf16* q, const bf16* w_kvb, bf16* q_lat, int64_t T, int H, int dn, int P,

@@ -10,6 +10,7 @@
 #include <algorithm>
 
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/linear.h"
 #include "ops/moe.h"
 #include "ops/moe_device.cuh"

@@ -25,6 +25,9 @@
 #include <climits>
 
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_cp_async.cuh"
+#include "ops/cuda_device.cuh"
+#include "ops/cuda_mma.cuh"
 #include "ops/moe.h"
 #include "ops/moe_device.cuh"
 
@@ -184,8 +187,8 @@ __device__ __forceinline__ uint32_t e2m1_pair_bits(uint32_t byte) {
 }
 
 // Every thread of the CTA fills the table at the start of its dynamic shared memory, then one barrier:
-// row b's 32 words are all entry b, stored 16 bytes at a time (one entry computed per store; a word per
-// store with an entry each took ~2 us of a 15 us kernel at 2 experts per layer).
+// row b's 32 words are all entry b, stored 16 bytes at a time (one entry computed per store; an entry
+// computed per 4-byte word made the fill a visible share of a small kernel).
 __device__ __forceinline__ void fill_lut(unsigned char* smem) {
   constexpr int kPerRow = kWarp * 4 / 16;  // 16-byte stores per row
   for (int i = threadIdx.x; i < kLutEntries * kPerRow; i += blockDim.x) {
@@ -472,8 +475,8 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
   uint32_t roff[4];
 #pragma unroll
   for (int q = 0; q < 4; ++q) roff[q] = 512u * g + hole_offset(16u * x_piece(4 * t + q, g));
-  // ceil(units / CTAs) consecutive units per CTA, the last CTAs none (an even split, every CTA busy, was no
-  // faster: 512 pairs drawn 321 against 312-316 us, 128 pairs 234 against 233).
+  // ceil(units / CTAs) consecutive units per CTA, the last CTAs none (an even split, every CTA busy, was
+  // tried and was no faster: the busiest CTA sets the time either way).
   const int64_t per = (units + gridDim.x - 1) / gridDim.x;
   const int64_t u_begin = min(units, per * blockIdx.x), u_end = min(units, u_begin + per);
   // The slot of unit u_begin: the last one whose units begin at or before it. The pass offsets ascend, so
@@ -744,7 +747,7 @@ int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const flo
   bf16* h = reinterpret_cast<bf16*>(static_cast<char*>(scratch) + meta_bytes);
   bf16* o = h + (pairs * I + 127) / 128 * 128;  // the 256-byte aligned offset of moe_experts_scratch_bytes
 
-  const int sms = ctx.sm_count > 0 ? ctx.sm_count : 132;
+  const int sms = ctx.sm_count > 0 ? ctx.sm_count : detail::device_sm_count();
   const int64_t max_slots = std::min<int64_t>(expert_count, pairs);
   // Token tiles per pass (1 to 3: registers hold the next chunk's activations), for the mean pairs per
   // used expert plus headroom; more pairs take more passes, whose weight re-reads come from L2.

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/rmsnorm.h"
 
 namespace k3::ops::cuda {

@@ -19,8 +19,8 @@
 //   3. One __syncthreads; warp 0 sums the k values of s in selection order (one serial sum, the CPU's
 //      order, so the sum is bitwise the CPU's) and writes the weights with the CPU's expression.
 // Latency at E = 896: 7 warps, 25 network stages (12 with shuffles) + 5 dependent shared loads + one
-// serial k-sum; measured on the H200 in the rank slice at 5.2 us per call (launch included), where the
-// round-based kernel's 16 dependent rounds of two barriers each took 20 us.
+// serial k-sum, against the round-based kernel's 16 dependent rounds of two barriers each (below): a
+// call's latency is its chain of dependent steps, not its work.
 //
 // Otherwise (k > 32 or E > 4096; not a K3 shape): route_rounds_kernel, k rounds over the row's scores
 // in shared memory, each a strided scan, a warp-shuffle argmax and one across the warps (two barriers
@@ -28,7 +28,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/router.h"
 
 namespace k3::ops::cuda {
@@ -43,7 +43,7 @@ constexpr int kTopkMaxThreads = kTopkMaxWarps * kWarp;  // 1024: one CTA
 constexpr int kTopkMaxExperts = kTopkMaxWarps * kWarp * kTopkItems;  // 4096
 constexpr int kTopkMaxK = 32;
 
-__device__ __forceinline__ float sigmoid_ref(float x) { return 1.f / (1.f + expf(-x)); }
+using detail::sigmoid;
 
 // ---------------------------------------------------------------------------------------------
 // route_topk_kernel (k <= 32)
@@ -162,7 +162,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads)
 #pragma unroll
   for (int r = 0; r < P; ++r) {
     const int e = r * nthreads + tid;
-    v[r] = e < E ? route_key(sigmoid_ref(lt[e]) + (bias != nullptr ? bias[e] : 0.f), e) : 0;
+    v[r] = e < E ? route_key(sigmoid(lt[e]) + (bias != nullptr ? bias[e] : 0.f), e) : 0;
   }
   sort_groups<G, P>(v, lane);
   warp_top<G, P>(v, lane);
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kTopkMaxThreads)
   }
   if (live && rank < k && part == 0) {
     idx[t * k + rank] = e;
-    sel_s[rank] = sigmoid_ref(lv);
+    sel_s[rank] = sigmoid(lv);
   }
   __syncthreads();
 
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   const int64_t t = blockIdx.x;
   const float* lt = logits + t * E;
   for (int e = threadIdx.x; e < E; e += kRouteThreads) {
-    const float b = sigmoid_ref(lt[e]) + (bias != nullptr ? bias[e] : 0.f);
+    const float b = sigmoid(lt[e]) + (bias != nullptr ? bias[e] : 0.f);
     key[e] = isnan(b) ? -INFINITY : b;
   }
   __syncthreads();
@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   }
   // The chosen experts' unbiased s, loaded in parallel into the scores' place (no longer needed); thread 0
   // sums them in selection order from shared memory.
-  for (int i = threadIdx.x; i < k; i += kRouteThreads) key[i] = sigmoid_ref(lt[it[i]]);
+  for (int i = threadIdx.x; i < k; i += kRouteThreads) key[i] = sigmoid(lt[it[i]]);
   __syncthreads();
   if (threadIdx.x == 0) {
     float sum = 0.f;

@@ -4,7 +4,7 @@
 // reduce it. The CPU keeps id 0 when logits[0] is NaN (nothing compares greater): so does this.
 #include <cmath>
 
-#include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/sampling.h"
 
 namespace k3::ops::cuda {

@@ -1,0 +1,96 @@
+// Device-side basics of the CUDA ops in this folder (included by .cu files only, C++17): the warp
+// size, warp and block sums (butterfly shuffles: every lane gets the total), the sigmoid, the
+// host-side alignment test that picks the vectorized kernels, the 32-bit shared-window address of a
+// pointer, the SM count of the device, and the one way a launcher raises a kernel's dynamic
+// shared-memory limit.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+namespace k3::ops::cuda::detail {
+
+constexpr int kWarp = 32;
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Sum of v over the warp (xor butterfly, offsets 16, 8, 4, 2, 1); every lane gets the total.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// 1 / (1 + e^-x) in FP32 with expf, the CPU reference's expression.
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// Sum of v over the block; every thread gets the total. Every thread of the block must call it;
+// red is a __shared__ float[32]. Ends with a barrier, so red may be reused at once.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  v = warp_sum(v);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  const int warps = (blockDim.x + kWarp - 1) / kWarp;
+  float t = 0.f;
+  for (int i = 0; i < warps; ++i) t += red[i];
+  __syncthreads();
+  return t;
+}
+
+// The 32-bit shared-window address of a pointer into shared memory.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// SMs of the current device (host; queried once per device, 132 if the query fails): the one source of
+// the SM count (Context::sm_count is set from it).
+inline int device_sm_count() {
+  static int sms[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) dev = 0;
+  if (sms[dev] <= 0 && cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    sms[dev] = 132;
+  return sms[dev];
+}
+
+// Lets Kernel take all the dynamic shared memory the device allows a CTA (the opt-in maximum less the
+// kernel's static shared memory), set once per device; with max_carveout, the SM's carveout preferred for
+// shared memory too. The one way a launcher raises the limit: it admits a launch, and a launch's shared
+// memory is still what it asks for. (Set per launch to the launch's own size, it raced between concurrent
+// launchers, ranks as threads on one GPU: a smaller setting in between failed a larger launch with
+// cudaErrorInvalidValue.)
+template <auto Kernel>
+cudaError_t allow_optin_smem(bool max_carveout = false) {
+  static std::atomic<uint64_t> done{0};
+  int dev = 0, optin = 0;
+  if (const cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  const uint64_t bit = dev >= 0 && dev < 64 ? uint64_t{1} << dev : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  cudaFuncAttributes fa{};
+  if (const cudaError_t e = cudaFuncGetAttributes(&fa, Kernel); e != cudaSuccess) return e;
+  if (const cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+      e != cudaSuccess)
+    return e;
+  const int dyn = optin - static_cast<int>(fa.sharedSizeBytes);
+  if (const cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dyn);
+      e != cudaSuccess)
+    return e;
+  if (max_carveout) {
+    if (const cudaError_t e =
+            cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+        e != cudaSuccess)
+      return e;
+  }
+  done.fetch_or(bit, std::memory_order_acq_rel);
+  return cudaSuccess;
+}
+
+}  // namespace k3::ops::cuda::detail
