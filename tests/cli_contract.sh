@@ -95,6 +95,9 @@ for bad in "--temperature nan" "--temperature inf" "--temperature -1" "--tempera
   [[ $rc -eq 1 ]] || fail "generate $bad: exit code $rc, expected 1"
   grep -qE 'temperature|top-p' "$TMP/err.txt" || fail "generate $bad: the message names no parameter: $(cat "$TMP/err.txt")"
 done
+expect_error "--step stock --shared-experts tp" "$BIN" generate --step stock --shared-experts tp --tp 2 --prompt 1,2 --max-new 2
+grep -q -- "--shared-experts replicated" "$TMP/err.txt" || fail "stock + tp: the message names no fix: $(cat "$TMP/err.txt")"
+expect_error "unknown --shared-experts" "$BIN" generate --shared-experts half --prompt 1,2 --max-new 2
 expect_error "unknown --device" "$BIN" generate --device tpu --prompt 1,2 --max-new 2
 expect_error "--device gpu --comm mpi" "$BIN" generate --device gpu --comm mpi --prompt 1,2 --max-new 2
 expect_error "--comm nccl without --device gpu" "$BIN" generate --comm nccl --prompt 1,2 --max-new 2

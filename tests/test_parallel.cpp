@@ -113,7 +113,8 @@ const Model& tiny(const std::string& variant, uint64_t seed = 0) {
   return it->second;
 }
 
-k3::EngineOptions engine_opts(StepKind step, std::vector<int> aux = {}) {
+k3::EngineOptions engine_opts(StepKind step, std::vector<int> aux = {},
+                              k3::SharedExperts shared = k3::SharedExperts::Replicated) {
   k3::CacheOptions c;
   c.max_slots = 6;  // the single-rank reference holds every replica's requests
   c.max_context = 48;
@@ -122,6 +123,7 @@ k3::EngineOptions engine_opts(StepKind step, std::vector<int> aux = {}) {
   k3::EngineOptions o(c);
   o.step = step;
   o.aux_layers = std::move(aux);
+  o.shared = shared;
   return o;
 }
 
@@ -448,6 +450,22 @@ TEST_P(ParallelEquivalence, MatchesSingleRank) {
       }
       runs[step] = std::move(per_rank);
     }
+    {
+      // The hybrid step with the shared experts and the dense MLP TP-sharded: the same rule against the single
+      // rank. Their output is now a sum of G BF16 partials over intermediate slices, reduced in rank order with
+      // FP32 accumulation (the o_proj's kind of noise, once more per FFN layer); on tp 1 nothing is split and
+      // the single rank's sums come back bitwise.
+      const std::string what = layout_name(L) + " " + variant + " hybrid, shared experts tp";
+      SCOPED_TRACE(what);
+      const auto& ref = reference(variant, L.dp, StepKind::Hybrid);
+      auto per_rank = play_layout(m, engine_opts(StepKind::Hybrid, {}, k3::SharedExperts::Tp), L, s);
+      for (const auto& rank : per_rank)
+        for (const auto& rec : rank) EXPECT_EQ(rec.kind, StepKind::Hybrid);
+      const Ratio r = compare_layout(per_rank, ref, L, V, what);
+      std::printf("[ parallel ] %-14s %-4s %-6s %s\n", layout_name(L).c_str(), variant, "tp-ffn", r.summary().c_str());
+      expect_within_tolerance(r, what, worst_tol(variant));
+      if (L.tp == 1) EXPECT_EQ(r.worst, 0.0) << what << ": a tp 1 layout must be bitwise the single rank";
+    }
     // Stock and hybrid on the same layout: the attention input rows are the same
     // BF16 values and both reduce the o_proj partials in rank order with FP32
     // accumulation (reduce_scatter vs all_reduce): bitwise identical logits.
@@ -739,8 +757,11 @@ constexpr int idx(CollKind k) { return static_cast<int>(k); }
 TEST(ParallelCounts, CollectivesPerStepFollowTheLayerPlan) {
   for (const char* variant : kVariants)
     for (const Layout L : {Layout{1, 1, 1}, Layout{4, 1, 2}, Layout{2, 2, 2}, Layout{4, 2, 4}})
-      for (StepKind step : kSteps) {
-        const std::string what = std::string(variant) + " " + layout_name(L) + " " + k3::step_kind_name(step);
+      for (int mode = 0; mode < 3; ++mode) {  // stock, hybrid, hybrid with the FFNs TP-sharded
+        const StepKind step = mode == 0 ? StepKind::Stock : StepKind::Hybrid;
+        const bool ffn_tp = mode == 2;
+        const std::string what = std::string(variant) + " " + layout_name(L) + " " + k3::step_kind_name(step) +
+                                 (ffn_tp ? " ffn tp" : "");
         SCOPED_TRACE(what);
         const Model& m = tiny(variant);
         const k3::ModelConfig& c = m.config;
@@ -759,7 +780,8 @@ TEST(ParallelCounts, CollectivesPerStepFollowTheLayerPlan) {
 
         // Two requests per replica (prompts of 5 + p and 3), prefilled; then a decode
         // step (m = 2) and a verify step (q = 3, m = 6), each counted on its own.
-        k3::LocalCluster cluster(m.src, c, engine_opts(step), L);
+        k3::LocalCluster cluster(
+            m.src, c, engine_opts(step, {}, ffn_tp ? k3::SharedExperts::Tp : k3::SharedExperts::Replicated), L);
         const int kSteps2 = 2;
         const int64_t rows_of[kSteps2] = {2, 6};
         std::vector<std::vector<Counts>> got(kSteps2, std::vector<Counts>(W));
@@ -787,7 +809,14 @@ TEST(ParallelCounts, CollectivesPerStepFollowTheLayerPlan) {
             const Counts& n = got[i][w];
             const auto& tp = n.calls[kTp];
             const auto& tpb = n.bytes[kTp];
-            if (step == StepKind::Hybrid) {
+            if (ffn_tp) {
+              // One all-reduce per attention and per FFN (the routed rows meet the shared partial).
+              EXPECT_EQ(tp[idx(CollKind::AllReduce)], 2 * n_layers);
+              EXPECT_EQ(tpb[idx(CollKind::AllReduce)], 2 * n_layers * rows * D * 2);
+              EXPECT_EQ(tp[idx(CollKind::AllGather)], 1);  // lm_head only
+              EXPECT_EQ(tpb[idx(CollKind::AllGather)], rows * (V / G) * 4);
+              EXPECT_EQ(tp[idx(CollKind::ReduceScatter)], 0);
+            } else if (step == StepKind::Hybrid) {
               EXPECT_EQ(tp[idx(CollKind::AllReduce)], n_layers);  // one per attention layer
               EXPECT_EQ(tpb[idx(CollKind::AllReduce)], n_layers * rows * D * 2);
               EXPECT_EQ(tp[idx(CollKind::AllGather)], n_moe + 1);  // MoE rows back + lm_head
@@ -922,6 +951,23 @@ TEST(ParallelLayout, BadLayoutsAreErrorsBeforeAnyWeightIsRead) {
     ASSERT_FALSE(msg.empty()) << "no k3::Error";
     EXPECT_NE(msg.find("rank 2"), std::string::npos) << msg;
     EXPECT_EQ(src->gets(), 0) << msg;
+  }
+  {
+    // TP-sharded shared experts: not with the stock step, and only where the intermediate rows divide.
+    SCOPED_TRACE("shared experts tp");
+    k3::EngineOptions stock_tp = engine_opts(StepKind::Stock, {}, k3::SharedExperts::Tp);
+    auto src = std::make_shared<CountingSource>(m.src);
+    std::string msg = error_of([&] { k3::LocalCluster cl(src, m.config, stock_tp, Layout{2, 1, 1}); });
+    EXPECT_NE(msg.find("--step stock"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--shared-experts replicated"), std::string::npos) << msg;
+    k3::ModelConfig odd_dense = m.config;
+    odd_dense.dense_intermediate_size = 130;  // 130 % 4 != 0
+    msg = error_of([&] {
+      k3::LocalCluster cl(src, odd_dense, engine_opts(StepKind::Hybrid, {}, k3::SharedExperts::Tp), Layout{4, 1, 1});
+    });
+    EXPECT_NE(msg.find("130 intermediate rows"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("--tp 4"), std::string::npos) << msg;
+    EXPECT_EQ(src->gets(), 0) << "weights were read before the error: " << msg;
   }
   {
     // Control: a good layout does read weights through the wrapper.

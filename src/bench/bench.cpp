@@ -87,7 +87,9 @@ std::map<std::string, double> step_bytes_by_op(const ModelConfig& c, const Shard
   const double Hm = a.num_heads / G, Q = a.q_lora_rank, R = a.kv_lora_rank, P = a.qk_rope_head_dim,
                dn = a.qk_nope_head_dim, dv = a.v_head_dim, E = R + P;
   const auto& e = c.moe;
-  const double L = e.latent_size, I = e.intermediate_size, S = e.shared_intermediate(), k = e.experts_per_token;
+  const double L = e.latent_size, I = e.intermediate_size, k = e.experts_per_token;
+  // The shared experts and the dense MLP: 1/G of them per rank when TP-sharded (the hybrid step's tp mode).
+  const double ffn_parts = sh.ffn_tp ? G : 1, S = e.shared_intermediate() / ffn_parts;
   const double local_experts = double(e.num_experts) / sh.world_size;
   // Pairs this rank's experts receive (gpu_rank.h): ceil(m k / G) for a rank slice.
   const double touched = std::min(local_experts, std::ceil(m * k / G));
@@ -114,7 +116,7 @@ std::map<std::string, double> step_bytes_by_op(const ModelConfig& c, const Shard
       }
     }
     if (l < e.first_k_dense_replace) {
-      by["dense_mlp"] += 3 * double(c.dense_intermediate_size) * D * 2;
+      by["dense_mlp"] += 3 * double(c.dense_intermediate_size) / ffn_parts * D * 2;
     } else {
       by["moe.router_down"] += (e.num_experts * D + L * D) * 2 + e.num_experts * 4;
       by["moe.experts"] += touched * expert;
@@ -161,6 +163,8 @@ int run_bench(const BenchArgs& args) {
   const double flops = measure_matrix_rate(ctx);
   fmt::print("BF16 matrix rate (cuBLASLt, 8192 x 8192 x 8192, FP32 accumulation): {:.0f} TFLOP/s\n", flops / 1e12);
   if (args.ops) return run_ops_bench(args, bw, flops, ctx);
+  K3_CHECK(args.shared_experts == "auto" || args.shared_experts == "replicated" || args.shared_experts == "tp",
+           "--shared-experts {}: expected auto | replicated | tp", args.shared_experts);
 
   ModelConfig c;
   ShardSpec shard;
@@ -200,21 +204,32 @@ int run_bench(const BenchArgs& args) {
   fmt::print("building {} ({} {}, tp {} dp {} rank {}) ...\n", what, variant,
              slice ? "full K3 shapes" : args.model_dir.empty() ? "preset" : "checkpoint", shard.tp_size,
              shard.world_size / shard.tp_size, shard.world_rank);
-  GpuWeights weights = slice ? build_gpu_weights(c, shard, nullptr, random_fill(args.seed, s))
-                             : load_gpu_weights(*src, c, shard);
-  src.reset();
-  const double wbytes = static_cast<double>(weights.bytes);
-  GpuRank rank(c, std::move(weights), go, ctx);
-  for (auto& p : rank.cache_pools())
-    CUDA_CHECK(static_cast<cudaError_t>(
-        bench::fill(p.ptr, static_cast<int64_t>(p.bytes / (p.f32 ? 4 : 2)), p.f32 ? 1 : 0, 0.0f, 0.05f, 7, s)));
+  // The rank of a step's shared-experts mode (stock: replicated; hybrid: --shared-experts, tp by default),
+  // rebuilt when the mode changes between steps.
+  std::unique_ptr<GpuRank> rank;
   std::vector<int> slots;
-  for (int b = 0; b < maxB; ++b) {
-    slots.push_back(rank.admit());
-    rank.set_context(slots.back(), args.context);
-  }
-  CUDA_CHECK(cudaStreamSynchronize(s));
-  fmt::print("weights {:.1f} GB, caches {:.1f} GB on the device\n", wbytes / 1e9, rank.cache_bytes() / 1e9);
+  auto build = [&](bool ffn_tp) {
+    rank.reset();
+    ShardSpec sh = shard;
+    sh.ffn_tp = ffn_tp;
+    GpuRankOptions o = go;
+    o.shard = sh;
+    GpuWeights weights = slice ? build_gpu_weights(c, sh, nullptr, random_fill(args.seed, s))
+                               : load_gpu_weights(*src, c, sh);
+    const double wbytes = static_cast<double>(weights.bytes);
+    rank = std::make_unique<GpuRank>(c, std::move(weights), o, ctx);
+    for (auto& p : rank->cache_pools())
+      CUDA_CHECK(static_cast<cudaError_t>(
+          bench::fill(p.ptr, static_cast<int64_t>(p.bytes / (p.f32 ? 4 : 2)), p.f32 ? 1 : 0, 0.0f, 0.05f, 7, s)));
+    slots.clear();
+    for (int b = 0; b < maxB; ++b) {
+      slots.push_back(rank->admit());
+      rank->set_context(slots.back(), args.context);
+    }
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    fmt::print("weights {:.1f} GB ({} shared experts / dense MLP), caches {:.1f} GB on the device\n", wbytes / 1e9,
+               ffn_tp ? "TP-sharded" : "replicated", rank->cache_bytes() / 1e9);
+  };
   fmt::print("{:>7} {:>5} {:>3} {:>7} {:>7} {:>11} {:>11} {:>11} {:>10} {:>11} {:>7}\n", "step", "B", "q", "rows",
              "ctx", "median_us", "min_us", "max_us", "MB", "floor_us", "ratio");
   nlohmann::json records = nlohmann::json::array();
@@ -224,16 +239,24 @@ int run_bench(const BenchArgs& args) {
   CUDA_CHECK(cudaEventCreate(&e1));
   for (const std::string& st : args.steps) {
     const StepKind kind = st == "stock" ? StepKind::Stock : StepKind::Hybrid;
+    const SharedExperts mode = args.shared_experts == "auto"        ? default_shared_experts(kind)
+                               : args.shared_experts == "tp"        ? SharedExperts::Tp
+                                                                    : SharedExperts::Replicated;
+    validate(StepOptions{kind, 256, mode});
+    if (!rank || shard.ffn_tp != (mode == SharedExperts::Tp)) {
+      shard.ffn_tp = mode == SharedExperts::Tp;
+      build(shard.ffn_tp);
+    }
     for (int q : args.qs)
       for (int B : args.batches) {
         std::vector<int32_t> tokens(static_cast<size_t>(B) * q);
         for (auto& t : tokens) t = static_cast<int32_t>(rng.below(static_cast<uint64_t>(c.vocab_size)));
-        rank.prepare(std::span<const int>(slots.data(), static_cast<size_t>(B)), q, tokens);
-        for (int i = 0; i < args.warmup; ++i) rank.run_graph(kind);
+        rank->prepare(std::span<const int>(slots.data(), static_cast<size_t>(B)), q, tokens);
+        for (int i = 0; i < args.warmup; ++i) rank->run_graph(kind);
         std::vector<double> us;
         for (int i = 0; i < args.iters; ++i) {
           CUDA_CHECK(cudaEventRecord(e0, s));
-          rank.run_graph(kind);
+          rank->run_graph(kind);
           CUDA_CHECK(cudaEventRecord(e1, s));
           CUDA_CHECK(cudaEventSynchronize(e1));
           float ms = 0;
@@ -246,7 +269,7 @@ int run_bench(const BenchArgs& args) {
         fmt::print("{:>7} {:>5} {:>3} {:>7} {:>7} {:>11.1f} {:>11.1f} {:>11.1f} {:>10.1f} {:>11.1f} {:>7.2f}\n", st, B, q,
                    B * q, args.context, med, mn, mx, bytes / 1e6, floor_us, med / floor_us);
         // What the GPU does inside one graph replay (CUPTI): operations per step and the time they leave uncovered.
-        const bench::TraceSummary tr = bench::trace_steps([&] { rank.run_graph(kind); }, 5);
+        const bench::TraceSummary tr = bench::trace_steps([&] { rank->run_graph(kind); }, 5);
         if (tr.available)
           fmt::print("          graph: {:.0f} kernels + {:.0f} copies per step; traced span {:.0f}us, busy {:.0f}us, "
                      "not covered {:.0f}us ({:.1f}%)\n",
@@ -269,7 +292,7 @@ int run_bench(const BenchArgs& args) {
         nlohmann::json breakdown = nlohmann::json::object(), op_bytes_json = nlohmann::json::object();
         if (args.profile) {
           std::vector<std::pair<std::string, double>> prof;
-          for (int i = 0; i < 3; ++i) prof = rank.profile(kind);  // the last of three eager runs
+          for (int i = 0; i < 3; ++i) prof = rank->profile(kind);  // the last of three eager runs
           double total = 0;
           for (auto& [name, ms] : prof) total += ms;
           std::string line = "         ";
@@ -291,6 +314,7 @@ int run_bench(const BenchArgs& args) {
                            {"model", args.model_dir},
                            {"variant", variant},
                            {"step", st},
+                           {"shared_experts", shared_experts_name(mode)},
                            {"requests", B},
                            {"q", q},
                            {"rows", B * q},

@@ -28,6 +28,7 @@ struct BenchArgs {
   std::vector<int> batches = {1, 8, 32, 64};  // requests per step
   std::vector<int> qs = {1, 4};               // tokens per request
   std::vector<std::string> steps = {"stock", "hybrid"};
+  std::string shared_experts = "auto";  // auto (stock: replicated, hybrid: tp) | replicated | tp
   int64_t context = 8192;
   int warmup = 5;
   int iters = 50;

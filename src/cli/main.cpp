@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
 
   ModelArgs gm;
   std::vector<std::string> prompts = {"1,2,3"};
-  std::string dump, step = "auto", comm = "local";
+  std::string dump, step = "auto", comm = "local", shared_experts;
   Layout layout;
   int max_new = 16;
   bool json_out = false;
@@ -115,6 +115,9 @@ int main(int argc, char** argv) {
   gen->add_option("--dp", layout.dp, "data-parallel replicas (requests are spread over them)")->capture_default_str();
   gen->add_option("--dcp", layout.dcp, "decode context parallel size inside the TP group")->capture_default_str();
   gen->add_option("--step", step, "decode step: auto | stock | hybrid")->capture_default_str();
+  gen->add_option("--shared-experts", shared_experts,
+                  "shared experts and dense MLP: replicated | tp (TP-sharded, hybrid step only); "
+                  "default: tp with --step hybrid, else replicated");
   gen->add_option("--comm", comm,
                   "collectives: local (ranks as threads) | mpi (one process per rank) | nccl (--device gpu, one "
                   "process per GPU)")
@@ -168,6 +171,8 @@ int main(int argc, char** argv) {
   bench->add_option("--batches", ba.batches, "requests per step")->capture_default_str();
   bench->add_option("--q", ba.qs, "tokens per request")->capture_default_str();
   bench->add_option("--steps", ba.steps, "stock and/or hybrid")->capture_default_str();
+  bench->add_option("--shared-experts", ba.shared_experts,
+                    "auto (stock: replicated, hybrid: tp) | replicated | tp")->capture_default_str();
   bench->add_option("--context", ba.context, "cached tokens per request")->capture_default_str();
   bench->add_option("--iters", ba.iters, "timed graph replays per point")->capture_default_str();
   bench->add_option("--warmup", ba.warmup, "untimed replays first")->capture_default_str();
@@ -210,6 +215,12 @@ int main(int argc, char** argv) {
       sp.stop_at_eos = !ignore_eos;
       K3_CHECK(step == "auto" || step == "stock" || step == "hybrid", "--step {}: expected auto | stock | hybrid", step);
       eopts.step = step == "stock" ? StepKind::Stock : step == "hybrid" ? StepKind::Hybrid : StepKind::Auto;
+      K3_CHECK(shared_experts.empty() || shared_experts == "replicated" || shared_experts == "tp",
+               "--shared-experts {}: expected replicated | tp", shared_experts);
+      eopts.shared = shared_experts.empty()   ? default_shared_experts(eopts.step)
+                     : shared_experts == "tp" ? SharedExperts::Tp
+                                              : SharedExperts::Replicated;
+      validate(StepOptions{eopts.step, eopts.moe_capacity, eopts.shared});
       layout.validate();
       auto [src, config] = open_model(gm);
       std::vector<GenerateResult> results;
@@ -227,7 +238,7 @@ int main(int argc, char** argv) {
         go.max_q = cache.max_q;
         go.max_context = cache.max_context;
         go.page_size = cache.page_size;
-        go.steps = StepOptions{eopts.step, eopts.moe_capacity};
+        go.steps = StepOptions{eopts.step, eopts.moe_capacity, eopts.shared};
         if (layout.world() == 1 && comm == "local") {
           GpuDecoder decoder(*src, config, go);
           results = generate(decoder, ids, max_new, sp, !dump.empty());
@@ -248,7 +259,7 @@ int main(int argc, char** argv) {
           RankGroups groups = make_nccl_groups(layout);
           ops::cuda::ScopedContext ctx;
           GpuRankOptions o = go;
-          o.shard = ShardSpec{layout.tp, layout.tp_rank(w), layout.world(), w};
+          o.shard = ShardSpec{layout.tp, layout.tp_rank(w), layout.world(), w, eopts.shared == SharedExperts::Tp};
           o.groups = &groups;
           GpuRank rank(config, load_gpu_weights(*src, config, o.shard), o, ctx.get());
           GpuDecoder d(rank, config, o, layout, w, *groups.world, /*graphs=*/true);
@@ -297,6 +308,7 @@ int main(int argc, char** argv) {
                             {"requests", reqs},
                             {"layout", {{"tp", layout.tp}, {"dp", layout.dp}, {"dcp", layout.dcp}}},
                             {"step", step},
+                            {"shared_experts", shared_experts_name(eopts.shared)},
                             {"comm", comm},
                             {"model", gm.dir.empty() ? "embedded:" + gm.preset + ":" + gm.variant : gm.dir}};
         if (tok) j["text"] = tok->decode(r.tokens);

@@ -218,7 +218,7 @@ void mla_attention(const ModelConfig& c, const MlaWeights& w, int layer, const f
 }
 
 void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, int64_t real, Comm& world,
-             float* out) {
+             float* out, bool with_shared) {
   const auto& e = c.moe;
   const int64_t D = c.hidden_size, L = e.latent_size, I = e.intermediate_size, E = e.num_experts;
   const int k = e.experts_per_token, W = world.size();
@@ -298,16 +298,25 @@ void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t 
     }
   round_bf16_inplace(y.data(), real * L);
   ops::rmsnorm(y.data(), w.norm, y.data(), real, L, c.rms_norm_eps);
+  if (!with_shared) {
+    ops::linear(y.data(), w.up, out, real, L, D);
+    return;
+  }
   Buf up = buf(real * D), shared = buf(real * D);
   ops::linear(y.data(), w.up, up.data(), real, L, D);
-  const int64_t S = e.shared_intermediate();
-  Buf sscratch = buf(2 * real * S);
-  ops::mlp(x, w.shared_gate, w.shared_up, w.shared_down, shared.data(), real, D, S, situ(c), sscratch.data());
+  shared_mlp(c, w, x, real, shared.data());
   ops::add(up.data(), shared.data(), out, real * D);
 }
 
+void shared_mlp(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, float* out) {
+  if (rows == 0) return;
+  const int64_t S = w.shared_rows;
+  Buf scratch = buf(2 * rows * S);
+  ops::mlp(x, w.shared_gate, w.shared_up, w.shared_down, out, rows, c.hidden_size, S, situ(c), scratch.data());
+}
+
 void dense_ffn(const ModelConfig& c, const DenseWeights& w, const float* x, int64_t rows, float* out) {
-  const int64_t I = c.dense_intermediate_size;
+  const int64_t I = w.rows;
   if (rows == 0) return;
   Buf scratch = buf(2 * rows * I);
   ops::mlp(x, w.gate, w.up, w.down, out, rows, c.hidden_size, I, situ(c), scratch.data());

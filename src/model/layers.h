@@ -22,7 +22,9 @@
 // MoE (moe_ffn): router on FP32 logits (sigmoid, biased top-k, unbiased
 //   renormalized weights); z = W_down x; y = bf16(sum_i w_i expert_i(z)) in FP32
 //   in the row's chosen order; y = RMSNorm(y; routed_expert_norm); out = bf16(W_up y +
-//   shared(x)) with shared the SiTU-GLU MLP of the merged shared experts.
+//   shared(x)) with shared the SiTU-GLU MLP of the merged shared experts. With the
+//   FFNs TP-sharded (ShardSpec::ffn_tp) shared(x) is this rank's partial sum over
+//   its slice of the intermediate rows, computed on all rows by the step.
 // Dense (dense_ffn): the SiTU-GLU MLP.
 //
 // Every module works on this rank's shard of the weights (model/weights.h):
@@ -88,8 +90,13 @@ void mla_attention(const ModelConfig& c, const MlaWeights& w, int layer, const f
                    AttentionCache& cache, const Dcp& dcp, float* out);
 // x [rows, D]: the first `real` rows are tokens, the rest padding (never routed,
 // output zero). Collective over `world` (every rank calls it, rows may be 0).
+// with_shared = false: the routed part alone, bf16(W_up y) (the shared experts then run TP-sharded on
+// all rows: shared_mlp).
 void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, int64_t real, Comm& world,
-             float* out);
+             float* out, bool with_shared = true);
+// The shared experts' SiTU-GLU MLP on `rows` rows (a partial sum when they are TP-sharded).
+void shared_mlp(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, float* out);
+// The dense MLP (a partial sum when it is TP-sharded).
 void dense_ffn(const ModelConfig& c, const DenseWeights& w, const float* x, int64_t rows, float* out);
 
 }  // namespace k3

@@ -61,6 +61,14 @@ void check_shardable(const ModelConfig& c, const ShardSpec& s) {
            c.moe.num_experts, s.world_size);
   K3_CHECK(c.vocab_size % s.tp_size == 0, "layout: vocabulary {} does not divide over --tp {}", c.vocab_size,
            s.tp_size);
+  if (s.ffn_tp) {
+    K3_CHECK(c.moe.shared_intermediate() % s.tp_size == 0,
+             "layout: the shared experts' {} intermediate rows do not divide over --tp {} (--shared-experts tp)",
+             c.moe.shared_intermediate(), s.tp_size);
+    K3_CHECK(c.dense_intermediate_size % s.tp_size == 0,
+             "layout: the dense MLP's {} intermediate rows do not divide over --tp {} (--shared-experts tp)",
+             c.dense_intermediate_size, s.tp_size);
+  }
 }
 
 namespace {
@@ -91,6 +99,7 @@ ModelWeights load_weights(const ModelConfig& c, const TensorSource& src, const S
   w.out_res_proj = v.ptr<bf16>("model.output_attn_res_proj.weight");
   w.norm = v.ptr<bf16>("model.norm.weight");
   w.vocab_count = c.vocab_size / G;
+  w.ffn_tp = shard.ffn_tp;
   w.vocab_begin = t * w.vocab_count;
   w.lm_head = v.ptr<bf16>("lm_head.weight") + w.vocab_begin * D;
   const LayerPlan plan = LayerPlan::from(c);
@@ -154,10 +163,18 @@ ModelWeights load_weights(const ModelConfig& c, const TensorSource& src, const S
       }
     }
     L.ffn = plan.layers[l].ffn;
+    // The FFNs' SiTU-GLU MLPs: whole, or (ffn_tp) intermediate rows [t n / G, (t+1) n / G).
+    auto mlp = [&](const std::string& gate, const std::string& up, const std::string& down, int64_t n,
+                   int64_t& rows, const bf16*& g, const bf16*& u, const bf16*& d) {
+      const int64_t parts = shard.ffn_tp ? G : 1, part = shard.ffn_tp ? t : 0;
+      rows = n / parts;
+      g = b(gate) + part * rows * D;
+      u = b(up) + part * rows * D;
+      d = parts == 1 ? b(down) : own(column_slice(v.get(p + down), part * rows, (part + 1) * rows));
+    };
     if (L.ffn == FfnKind::Dense) {
-      L.dense.gate = b("mlp.gate_proj.weight");
-      L.dense.up = b("mlp.up_proj.weight");
-      L.dense.down = b("mlp.down_proj.weight");
+      mlp("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", c.dense_intermediate_size,
+          L.dense.rows, L.dense.gate, L.dense.up, L.dense.down);
     } else {
       auto& e = L.moe;
       e.gate = b("block_sparse_moe.gate.weight");
@@ -165,9 +182,9 @@ ModelWeights load_weights(const ModelConfig& c, const TensorSource& src, const S
       e.down = b("block_sparse_moe.routed_expert_down_proj.weight");
       e.norm = b("block_sparse_moe.routed_expert_norm.weight");
       e.up = b("block_sparse_moe.routed_expert_up_proj.weight");
-      e.shared_gate = b("block_sparse_moe.shared_experts.gate_proj.weight");
-      e.shared_up = b("block_sparse_moe.shared_experts.up_proj.weight");
-      e.shared_down = b("block_sparse_moe.shared_experts.down_proj.weight");
+      mlp("block_sparse_moe.shared_experts.gate_proj.weight", "block_sparse_moe.shared_experts.up_proj.weight",
+          "block_sparse_moe.shared_experts.down_proj.weight", c.moe.shared_intermediate(), e.shared_rows,
+          e.shared_gate, e.shared_up, e.shared_down);
       e.expert_begin = static_cast<int>(shard.world_rank * per_rank_experts);
       for (int64_t x = e.expert_begin; x < e.expert_begin + per_rank_experts; ++x) {
         const std::string ep = expert_prefix(l, static_cast<int>(x));

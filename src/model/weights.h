@@ -83,17 +83,19 @@ struct MoeWeights {
   const bf16* down = nullptr;          // [L, D] routed_expert_down_proj
   const bf16* norm = nullptr;          // [L] routed_expert_norm
   const bf16* up = nullptr;            // [D, L] routed_expert_up_proj
-  const bf16* shared_gate = nullptr;   // [S, D]
-  const bf16* shared_up = nullptr;     // [S, D]
-  const bf16* shared_down = nullptr;   // [D, S]
+  int64_t shared_rows = 0;             // Sl: S, or S / G when the FFNs are TP-sharded (ShardSpec::ffn_tp)
+  const bf16* shared_gate = nullptr;   // [Sl, D]
+  const bf16* shared_up = nullptr;     // [Sl, D]
+  const bf16* shared_down = nullptr;   // [D, Sl]
   int expert_begin = 0;                // first global expert id held here
   std::vector<ExpertWeights> experts;  // [E / W] this rank's experts
 };
 
 struct DenseWeights {
-  const bf16* gate = nullptr;  // [I, D]
-  const bf16* up = nullptr;    // [I, D]
-  const bf16* down = nullptr;  // [D, I]
+  int64_t rows = 0;            // Il: I, or I / G when the FFNs are TP-sharded (ShardSpec::ffn_tp)
+  const bf16* gate = nullptr;  // [Il, D]
+  const bf16* up = nullptr;    // [Il, D]
+  const bf16* down = nullptr;  // [D, Il]
 };
 
 struct LayerWeights {
@@ -119,6 +121,7 @@ struct ModelWeights {
   const bf16* norm = nullptr;             // [D] final norm
   int64_t vocab_begin = 0;                // first vocabulary row of lm_head held here
   int64_t vocab_count = 0;                // V / G
+  bool ffn_tp = false;                    // shared experts and dense MLP TP-sharded (ShardSpec::ffn_tp)
   const bf16* lm_head = nullptr;          // [V / G, D]
   std::vector<Tensor> owned;              // packed and column-sliced copies
 };
@@ -127,6 +130,9 @@ struct ModelWeights {
 struct ShardSpec {
   int tp_size = 1, tp_rank = 0;        // G, t
   int world_size = 1, world_rank = 0;  // W = G x DP, w
+  // The shared experts and the dense MLP TP-sharded (the hybrid step's `tp` mode): gate / up rows
+  // [t Sl, (t+1) Sl) of the intermediate, down's matching columns; each rank's output is a partial sum.
+  bool ffn_tp = false;
 };
 
 // Errors (before any tensor is read) when heads, experts or vocabulary do not

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "ops/attn_res.h"
+#include "ops/elementwise.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
@@ -49,9 +50,18 @@ void CpuBackend::attention(int l, Act x, Act out) {
     mla_attention(*env_.config, lw.mla, l, at(x), shape_, *env_.cache, env_.dcp, at(out));
 }
 
-void CpuBackend::moe(int l, Act x, int64_t row0, int64_t cs, int64_t real, Act out) {
+void CpuBackend::moe(int l, Act x, int64_t row0, int64_t cs, int64_t real, Act out, bool with_shared) {
   // x has G cs rows: the shard's padding rows past m are zero and never routed.
-  moe_ffn(*env_.config, env_.weights->layers[l].moe, at(x) + row0 * D_, cs, real, *env_.world, at(out));
+  moe_ffn(*env_.config, env_.weights->layers[l].moe, at(x) + row0 * D_, cs, real, *env_.world, at(out), with_shared);
+}
+
+void CpuBackend::shared_mlp(int l, Act x, int64_t rows, Act out) {
+  k3::shared_mlp(*env_.config, env_.weights->layers[l].moe, at(x), rows, at(out));
+}
+
+void CpuBackend::add_rows(Act dst, Act src, int64_t row0, int64_t rows) {
+  float* d = at(dst) + row0 * D_;
+  ops::add(d, at(src), d, rows * D_);
 }
 
 void CpuBackend::dense(int l, Act x, int64_t rows, Act out) {

@@ -10,14 +10,17 @@
 namespace k3 {
 
 namespace {
-ShardSpec shard_of(const Layout& L, int w) { return {L.tp, L.tp_rank(w), L.world(), w}; }
+ShardSpec shard_of(const Layout& L, int w, const EngineOptions& o) {
+  return {L.tp, L.tp_rank(w), L.world(), w, o.shared == SharedExperts::Tp};
+}
 // Everything about the layout and the groups, before any weight is read.
 Layout checked(const ModelConfig& c, const EngineOptions& o, const Layout& L, int w, const RankGroups& g) {
   L.validate();
+  validate(StepOptions{o.step, o.moe_capacity, o.shared});
   for (int a : o.aux_layers)
     K3_CHECK(a >= 0 && a <= c.num_layers, "aux layer {} outside 0..{}", a, c.num_layers);
   K3_CHECK(w >= 0 && w < L.world(), "layout: rank {} outside 0..{}", w, L.world() - 1);
-  check_shardable(c, shard_of(L, w));
+  check_shardable(c, shard_of(L, w, o));
   K3_CHECK(g.tp && g.dcp && g.world, "layout: rank {} is missing a tp / dcp / world group", w);
   K3_CHECK(g.tp->size() == L.tp && g.dcp->size() == L.dcp && g.world->size() == L.world(),
            "layout: groups of sizes tp {} dcp {} world {} for --tp {} --dcp {} --dp {}", g.tp->size(), g.dcp->size(),
@@ -40,7 +43,7 @@ Engine::Engine(std::shared_ptr<const TensorSource> src, const ModelConfig& confi
       layout_(checked(config_, options, layout, world_rank, groups)),
       world_rank_(world_rank),
       plan_(LayerPlan::from(config_)),
-      weights_(load_weights(config_, *src_, shard_of(layout_, world_rank))),
+      weights_(load_weights(config_, *src_, shard_of(layout_, world_rank, options))),
       caches_(config_, options.cache, config_.kda.num_heads / layout_.tp, layout_.dcp, layout_.dcp_rank(world_rank)),
       tp_(std::make_unique<CountingComm>(std::move(groups.tp))),
       dcp_(std::make_unique<CountingComm>(std::move(groups.dcp))),
@@ -53,7 +56,7 @@ void Engine::reset_counts() {
 }
 
 StepKind Engine::choose_step(int64_t rows, int q) const {
-  return k3::choose_step(StepOptions{opts_.step, opts_.moe_capacity}, rows, q, layout_.tp);
+  return k3::choose_step(step_options(), rows, q, layout_.tp);
 }
 
 int Engine::admit() {

@@ -36,6 +36,7 @@ struct EngineOptions {
   CacheOptions cache;
   StepKind step = StepKind::Auto;
   int64_t moe_capacity = 256;   // per-rank MoE token capacity (auto's rule, runtime/steps.h)
+  SharedExperts shared = SharedExperts::Replicated;  // tp: the shared experts / dense MLP TP-sharded (hybrid only)
   std::vector<int> aux_layers;  // capture the stream entering these layers (0 = embeddings; L = after the last)
 };
 
@@ -64,6 +65,7 @@ class Engine {
   std::vector<float> prefill(int slot, std::span<const int32_t> prompt);
 
   StepKind choose_step(int64_t rows, int q) const;
+  StepOptions step_options() const { return {opts_.step, opts_.moe_capacity, opts_.shared}; }
   StepKind last_step() const { return last_step_; }
   const std::vector<float>& last_aux() const { return last_aux_; }  // [aux layers, rows, D]
   // Collective counts of this rank's groups (tests and docs).

@@ -18,7 +18,7 @@ LocalGpuCluster::LocalGpuCluster(const TensorSource& src, const ModelConfig& con
     for (int w = 0; w < W; ++w) {
       contexts_.push_back(std::make_unique<ops::cuda::ScopedContext>());
       GpuRankOptions o = options;
-      o.shard = ShardSpec{layout_.tp, layout_.tp_rank(w), W, w};
+      o.shard = ShardSpec{layout_.tp, layout_.tp_rank(w), W, w, o.steps.shared == SharedExperts::Tp};
       o.loopback = false;
       o.groups = &groups_[w];
       ranks_.push_back(std::make_unique<GpuRank>(config, load_gpu_weights(src, config, o.shard), o,

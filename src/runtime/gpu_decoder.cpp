@@ -8,7 +8,8 @@ GpuDecoder::GpuDecoder(const TensorSource& src, const ModelConfig& config, const
   K3_CHECK(options.shard.tp_size == 1 && options.shard.world_size == 1 && !options.loopback,
            "gpu generate: one rank holds the whole model (tp = dp = 1)");
   ctx_ = std::make_unique<ops::cuda::ScopedContext>();
-  owned_ = std::make_unique<GpuRank>(config, load_gpu_weights(src, config, {}), options, ctx_->get());
+  options_.shard.ffn_tp = options.steps.shared == SharedExperts::Tp;
+  owned_ = std::make_unique<GpuRank>(config, load_gpu_weights(src, config, options_.shard), options_, ctx_->get());
   rank_ = owned_.get();
 }
 

@@ -20,13 +20,13 @@ namespace cu = ops::cuda;
 // The MoE of layer l on rows [row0, row0 + real) of x -> out [real, D]. With real
 // collectives every rank calls it for every MoE layer, real = 0 included (the EP
 // exchange spans the world).
-void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t rows, Act outa) {
+void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t rows, Act outa, bool with_shared) {
   if (rows == 0 && !coll_.real()) return;
   const MoeWeights& w = weights_.w.layers[l].moe;
   const auto& e = c_.moe;
   auto* s = ctx_.stream;
   const int64_t D = c_.hidden_size, E = e.num_experts, L = e.latent_size, I = e.intermediate_size,
-                S = e.shared_intermediate();
+                S = w.shared_rows;
   const int k = e.experts_per_token;
   const ops::SituParams situ{c_.situ_beta, c_.situ_linear_beta};
   const bf16* x = act(xa) + row0 * D;
@@ -64,6 +64,10 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t rows, Act outa) 
   }
   mark("moe.norm_up");
   K3_LAUNCH(cu::rmsnorm(m.y, w.norm, m.y, rows, L, c_.rms_norm_eps, s));
+  if (!with_shared) {  // the shared experts run TP-sharded on all rows (shared_mlp)
+    K3_LAUNCH(cu::linear(ctx_, m.y, w.up, out, false, rows, L, D));
+    return;
+  }
   K3_LAUNCH(cu::linear(ctx_, m.y, w.up, m.up, false, rows, L, D));
   mark("moe.shared");
   K3_LAUNCH(cu::mlp(ctx_, x, w.shared_gate, w.shared_up, w.shared_down, m.shared, rows, D, S, situ, m.mlp));
@@ -96,14 +100,29 @@ void GpuRank::ep_experts(int l, const MoeScratch& m, int64_t rows) {
   K3_LAUNCH(cu::ep_combine(m.send, m.slot, m.wts, rows, k, L, m.y, s));
 }
 
+void GpuRank::shared_mlp(int l, Act x, int64_t rows, Act out) {
+  mark("moe.shared");
+  const MoeWeights& w = weights_.w.layers[l].moe;
+  Carve scratch = layer_scratch();
+  bf16* mlp = carve_shared(scratch, dims_, rows);
+  if (rows > 0)
+    K3_LAUNCH(cu::mlp(ctx_, act(x), w.shared_gate, w.shared_up, w.shared_down, act(out), rows, c_.hidden_size,
+                      w.shared_rows, ops::SituParams{c_.situ_beta, c_.situ_linear_beta}, mlp));
+}
+
 void GpuRank::dense(int l, Act x, int64_t rows, Act out) {
   mark("dense_mlp");
   const DenseWeights& w = weights_.w.layers[l].dense;
   Carve scratch = layer_scratch();
-  bf16* mlp = carve_dense(scratch, c_, rows);
+  bf16* mlp = carve_dense(scratch, dims_, rows);
   if (rows > 0)
-    K3_LAUNCH(cu::mlp(ctx_, act(x), w.gate, w.up, w.down, act(out), rows, c_.hidden_size, c_.dense_intermediate_size,
+    K3_LAUNCH(cu::mlp(ctx_, act(x), w.gate, w.up, w.down, act(out), rows, c_.hidden_size, w.rows,
                       ops::SituParams{c_.situ_beta, c_.situ_linear_beta}, mlp));
+}
+
+void GpuRank::add_rows(Act dst, Act src, int64_t row0, int64_t rows) {
+  bf16* d = act(dst) + row0 * c_.hidden_size;
+  if (rows > 0) K3_LAUNCH(cu::add(d, act(src), d, rows * c_.hidden_size, ctx_.stream));
 }
 
 }  // namespace k3

@@ -33,6 +33,8 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
       G_(o.shard.tp_size),
       table_(table_options(o, dims_, o.groups)),
       caches_(c, dims_.Hk, o.max_slots, o.max_q, table_.num_pages(), o.page_size) {
+  K3_CHECK(weights_.w.ffn_tp == o.shard.ffn_tp, "gpu: weights with {} FFNs for a rank of {} FFNs",
+           weights_.w.ffn_tp ? "TP-sharded" : "replicated", o.shard.ffn_tp ? "TP-sharded" : "replicated");
   K3_CHECK(o.max_batch >= 1 && o.max_batch <= o.max_slots, "gpu: max_batch {} outside 1..max_slots ({})",
            o.max_batch, o.max_slots);
   const auto mode = collective_mode(o);

@@ -98,8 +98,11 @@ class GpuRank final : private StepBackend {
   void rmsnorm(Act x, const bf16* w, int64_t rows) override;
   void copy_rows(Act dst, Act src, int64_t rows) override;
   void attention(int layer, Act x, Act out) override;  // gpu_attention.cpp
-  void moe(int layer, Act x, int64_t row0, int64_t cs, int64_t real, Act out) override;  // gpu_moe.cpp
-  void dense(int layer, Act x, int64_t rows, Act out) override;                           // gpu_moe.cpp
+  // gpu_moe.cpp
+  void moe(int layer, Act x, int64_t row0, int64_t cs, int64_t real, Act out, bool with_shared) override;
+  void shared_mlp(int layer, Act x, int64_t rows, Act out) override;
+  void dense(int layer, Act x, int64_t rows, Act out) override;
+  void add_rows(Act dst, Act src, int64_t row0, int64_t rows) override;
   void lm_head(Act h, int64_t m) override;
   void all_gather_rows(Act shard, Act all, int64_t m) override;
   void reduce_scatter_rows(Act partial, Act shard, int64_t m) override;

@@ -41,6 +41,7 @@ GpuWeights build_gpu_weights(const ModelConfig& c, const ShardSpec& shard, const
   w.norm = bf(H.norm, D, "norm");
   w.vocab_count = V / G;
   w.vocab_begin = shard.tp_rank * w.vocab_count;
+  w.ffn_tp = shard.ffn_tp;
   w.lm_head = bf(H.lm_head, w.vocab_count * D, "lm_head");
   const LayerPlan plan = LayerPlan::from(c);
   const int64_t per_rank = c.moe.num_experts / shard.world_size;
@@ -98,14 +99,18 @@ GpuWeights build_gpu_weights(const ModelConfig& c, const ShardSpec& shard, const
         a.indexer.k_norm_b = bf(ha.indexer.k_norm_b, Di, "bias");
       }
     }
+    // The FFNs' MLPs: whole, or TP-sharded (shard.ffn_tp: 1/G of the intermediate rows).
+    const int64_t ffn_parts = shard.ffn_tp ? G : 1;
     if (L.ffn == FfnKind::Dense) {
-      const int64_t I = c.dense_intermediate_size;
+      const int64_t I = c.dense_intermediate_size / ffn_parts;
+      L.dense.rows = I;
       L.dense.gate = bf(h.dense.gate, I * D, "proj");
       L.dense.up = bf(h.dense.up, I * D, "proj");
       L.dense.down = bf(h.dense.down, D * I, "out_proj");
     } else {
       const auto& e = c.moe;
-      const int64_t E = e.num_experts, Lt = e.latent_size, I = e.intermediate_size, S = e.shared_intermediate();
+      const int64_t E = e.num_experts, Lt = e.latent_size, I = e.intermediate_size,
+                    S = e.shared_intermediate() / ffn_parts;
       auto& m = L.moe;
       const auto& hm = h.moe;
       m.gate = bf(hm.gate, E * D, "router");
@@ -113,6 +118,7 @@ GpuWeights build_gpu_weights(const ModelConfig& c, const ShardSpec& shard, const
       m.down = bf(hm.down, Lt * D, "proj");
       m.norm = bf(hm.norm, Lt, "norm");
       m.up = bf(hm.up, D * Lt, "out_proj");
+      m.shared_rows = S;
       m.shared_gate = bf(hm.shared_gate, S * D, "proj");
       m.shared_up = bf(hm.shared_up, S * D, "proj");
       m.shared_down = bf(hm.shared_down, D * S, "out_proj");

@@ -27,6 +27,9 @@ GpuDims::GpuDims(const ModelConfig& c, const GpuRankOptions& o) {
   max_rows = int64_t{o.max_batch} * o.max_q;
   ep_cap = real ? (max_rows + G - 1) / G * c.moe.experts_per_token : 0;
   max_context = o.max_context;
+  const int parts = o.shard.ffn_tp ? G : 1;
+  shared_rows = c.moe.shared_intermediate() / parts;
+  dense_rows = c.dense_intermediate_size / parts;
 }
 
 KdaScratch carve_kda(Carve& s, const ModelConfig& c, const GpuDims& d, int64_t rows) {
@@ -96,7 +99,7 @@ MoeScratch carve_moe(Carve& s, const ModelConfig& c, const GpuDims& d, int64_t r
   m.y = s.take<bf16>(rows * L);
   m.up = s.take<bf16>(rows * D);
   m.shared = s.take<bf16>(rows * D);
-  m.mlp = s.take<bf16>(2 * rows * e.shared_intermediate());
+  m.mlp = s.take<bf16>(2 * rows * d.shared_rows);
   if (d.real) {
     const int64_t slots = int64_t{d.W} * d.ep_cap;
     m.slot = s.take<int32_t>(d.max_rows * k);
@@ -113,9 +116,9 @@ MoeScratch carve_moe(Carve& s, const ModelConfig& c, const GpuDims& d, int64_t r
   return m;
 }
 
-bf16* carve_dense(Carve& s, const ModelConfig& c, int64_t rows) {
-  return s.take<bf16>(2 * rows * c.dense_intermediate_size);
-}
+bf16* carve_dense(Carve& s, const GpuDims& d, int64_t rows) { return s.take<bf16>(2 * rows * d.dense_rows); }
+
+bf16* carve_shared(Carve& s, const GpuDims& d, int64_t rows) { return s.take<bf16>(2 * rows * d.shared_rows); }
 
 StepScratch carve_step(Carve& s, const ModelConfig& c, const GpuDims& d) {
   const int64_t D = c.hidden_size, R = d.max_rows, Rp = d.G * ((R + d.G - 1) / d.G);
@@ -148,7 +151,12 @@ GpuWorkspace gpu_workspace(const ModelConfig& c, const GpuRankOptions& o) {
   }
   {
     Carve s;
-    carve_dense(s, c, R);
+    carve_dense(s, d, R);
+    layer = std::max(layer, s.bytes());
+  }
+  {
+    Carve s;
+    carve_shared(s, d, R);
     layer = std::max(layer, s.bytes());
   }
   Carve step;

@@ -46,6 +46,8 @@ struct GpuDims {
   int64_t max_rows = 0;      // max_batch x max_q
   int64_t ep_cap = 0;        // EP slots per peer (real collectives)
   int64_t max_context = 0;
+  int64_t shared_rows = 0;   // the shared experts' intermediate rows here (S, or S / G when TP-sharded)
+  int64_t dense_rows = 0;    // the dense MLP's (I, or I / G)
 };
 
 struct KdaScratch {
@@ -103,7 +105,7 @@ struct MoeScratch {
   bf16* y;         // [rows, L] routed sum
   bf16* up;        // [rows, D]
   bf16* shared;    // [rows, D]
-  bf16* mlp;       // [2 rows S] shared experts' gate / up
+  bf16* mlp;       // [2 rows Sl] shared experts' gate / up
   void* experts;   // moe_experts scratch (local experts; loopback)
   bf16* exchange;  // [2 rows k, L] loopback: sent rows, then received outputs
   // The EP exchange (real collectives): [W, cap] slots.
@@ -117,7 +119,8 @@ struct MoeScratch {
 };
 MoeScratch carve_moe(Carve& s, const ModelConfig& c, const GpuDims& d, int64_t rows);
 
-bf16* carve_dense(Carve& s, const ModelConfig& c, int64_t rows);  // [2 rows Idn]
+bf16* carve_dense(Carve& s, const GpuDims& d, int64_t rows);   // [2 rows Il] the dense MLP's gate / up
+bf16* carve_shared(Carve& s, const GpuDims& d, int64_t rows);  // [2 rows Sl] the shared experts' gate / up
 
 struct StepScratch {
   bf16* gathered;  // [G cs, D] stock: X's shards gathered

@@ -38,7 +38,21 @@ void sp_all_gather(Comm& tp, const float* shard, int64_t c, int64_t D, float* al
   all_gather_bf16(tp, shard, all, c * D);
 }
 
+const char* shared_experts_name(SharedExperts s) { return s == SharedExperts::Tp ? "tp" : "replicated"; }
+
+SharedExperts default_shared_experts(StepKind step) {
+  return step == StepKind::Hybrid ? SharedExperts::Tp : SharedExperts::Replicated;
+}
+
+void validate(const StepOptions& o) {
+  K3_CHECK(!(o.step == StepKind::Stock && o.shared == SharedExperts::Tp),
+           "--step stock needs --shared-experts replicated (TP-sharded shared experts run in the hybrid step only)");
+  K3_CHECK(o.moe_capacity >= 1, "--moe-capacity {} must be >= 1", o.moe_capacity);
+}
+
 StepKind choose_step(const StepOptions& o, int64_t rows, int q, int G) {
+  validate(o);
+  if (o.shared == SharedExperts::Tp) return StepKind::Hybrid;
   if (o.step != StepKind::Auto) return o.step;
   if (G == 1) return StepKind::Hybrid;
   const int64_t c = sp_shard_rows(rows, G);
@@ -70,11 +84,13 @@ bool listed(const std::vector<int>& aux, int index) { return std::find(aux.begin
 void run_layers(bool stock, StepBackend& be, const ModelConfig& c, const LayerPlan& plan, const StepRows& r,
                 const std::vector<int>& aux) {
   const ModelWeights& w = be.weights();
+  K3_CHECK(!(stock && w.ffn_tp),
+           "step: the stock step needs replicated shared experts and dense MLP; these weights are TP-sharded");
   be.begin(stock ? StepKind::Stock : StepKind::Hybrid, r);
   if (r.m == 0) {
     // An idle replica: only the EP exchanges of the MoE layers (the other replicas' rows).
     for (int l = 0; l < c.num_layers; ++l)
-      if (plan.layers[l].ffn == FfnKind::MoE) be.moe(l, Act::X, 0, 0, 0, Act::F);
+      if (plan.layers[l].ffn == FfnKind::MoE) be.moe(l, Act::X, 0, 0, 0, Act::F, !w.ffn_tp);
     return;
   }
   const int64_t res_rows = stock ? r.cs : r.m;
@@ -103,10 +119,17 @@ void run_layers(bool stock, StepBackend& be, const ModelConfig& c, const LayerPl
     be.attn_res(post);
     if (lw.ffn == FfnKind::Dense) {
       be.dense(l, Act::X, stock ? r.real : r.m, Act::F);
+      if (w.ffn_tp) be.all_reduce(Act::F, r.m);  // the partial sums of the rank's intermediate slices
     } else if (stock) {
-      be.moe(l, Act::X, 0, r.cs, r.real, Act::F);
+      be.moe(l, Act::X, 0, r.cs, r.real, Act::F, true);
+    } else if (w.ffn_tp) {
+      // The routed rows of this rank's shard and the shared partial of all rows meet in one all-reduce.
+      be.moe(l, Act::X, r.r0, r.cs, r.real, Act::Sharded, false);
+      be.shared_mlp(l, Act::X, r.m, Act::F);
+      be.add_rows(Act::F, Act::Sharded, r.r0, r.real);
+      be.all_reduce(Act::F, r.m);
     } else {
-      be.moe(l, Act::X, r.r0, r.cs, r.real, Act::Sharded);
+      be.moe(l, Act::X, r.r0, r.cs, r.real, Act::Sharded, true);
       be.all_gather_rows(Act::Sharded, Act::F, r.m);
     }
     if (listed(aux, l + 1)) be.capture_aux(true, res_rows, stock);

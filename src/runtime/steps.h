@@ -15,6 +15,10 @@
 //   rows -> MoE: the stock MoE module on the rank's shard, all-gathered back
 //   (sp_shard, moe, sp_all_gather, trim), or the dense MLP on all rows
 //   (replicated weights, no collective).
+//   With TP-sharded shared experts (SharedExperts::Tp): the routed part on the
+//   rank's shard, the rank's partial of the shared experts on all rows, the
+//   shard's rows added to it, one all_reduce (tp); the dense MLP a partial sum
+//   on all rows, all-reduced.
 // Both end with the final AttnRes, the norm and the vocab-parallel lm_head
 // (its slices all-gathered over tp), so every rank of the replica returns
 // the same logits [m, V]. Aux hidden states: the residual stream bf16(P + f)
@@ -39,14 +43,27 @@ int64_t sp_shard(const float* x, int64_t m, int64_t D, int G, int t, float* shar
 // shard [c, D] of every tp rank -> all [G c, D].
 void sp_all_gather(Comm& tp, const float* shard, int64_t c, int64_t D, float* all);
 
+// Where the shared experts and the dense MLP run: `replicated` (the seed's hybrid step: each rank runs
+// them on its row shard with whole weights; the stock step needs this), or `tp` (the hybrid step only:
+// TP-sharded over the group on all rows, their partial sums meeting the routed rows in one all-reduce
+// that replaces the all-gather; each rank reads 1/G of their weights).
+enum class SharedExperts { Replicated, Tp };
+const char* shared_experts_name(SharedExperts s);
+// The default of a step: tp for --step hybrid, replicated otherwise.
+SharedExperts default_shared_experts(StepKind step);
+
 // How a runtime picks the step for a step of `rows` rows and q tokens per request.
 struct StepOptions {
   StepKind step = StepKind::Auto;
   int64_t moe_capacity = 256;  // per-rank MoE token capacity (auto's rule)
+  SharedExperts shared = SharedExperts::Replicated;
 };
+// Errors for a combination that cannot run (stock with TP-sharded shared experts).
+void validate(const StepOptions& o);
 // `stock` / `hybrid` force one; `auto` takes hybrid when q > 1, rows % q == 0 and
 // ceil(rows / G) <= moe_capacity (the seed's wide-batch rule), else stock. On one
-// rank (G = 1) the two steps are the same computation and auto takes hybrid.
+// rank (G = 1) the two steps are the same computation and auto takes hybrid; with
+// TP-sharded shared experts only the hybrid step can run, so auto takes it.
 StepKind choose_step(const StepOptions& o, int64_t rows, int q, int G);
 
 // Runs `validate`; on a multi-rank layout (world_sum given) the ranks then agree

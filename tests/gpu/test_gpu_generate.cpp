@@ -176,12 +176,14 @@ TEST_P(GpuGenerate, EveryStepAndLayoutGivesCpuTokens) {
   const int max_new = 6;
   const auto want = generate(cpu, prompts, max_new, sp, true);
   for (const Layout L : {Layout{1, 1, 1}, Layout{2, 1, 1}, Layout{2, 2, 2}, Layout{4, 1, 2}})
-    for (StepKind kind : {StepKind::Stock, StepKind::Hybrid, StepKind::Auto}) {
+    for (int mode = 0; mode < 4; ++mode) {  // stock, hybrid, auto, hybrid with the FFNs TP-sharded
+      const StepKind kind = mode == 0 ? StepKind::Stock : mode == 2 ? StepKind::Auto : StepKind::Hybrid;
       const std::string what = std::to_string(L.tp) + "x" + std::to_string(L.dp) + "x" + std::to_string(L.dcp) + " " +
-                               step_kind_name(kind);
+                               step_kind_name(kind) + (mode == 3 ? " shared experts tp" : "");
       SCOPED_TRACE(what);
       GpuRankOptions go = gpu_options();
       go.steps.step = kind;
+      if (mode == 3) go.steps.shared = SharedExperts::Tp;
       LocalGpuCluster cluster(*src, c, go, L);
       std::vector<std::vector<GenerateResult>> per_rank(static_cast<size_t>(L.world()));
       std::vector<StepKind> took(static_cast<size_t>(L.world()));

@@ -137,7 +137,7 @@ std::vector<std::vector<std::vector<float>>> play_reference(const Model& m, cons
 
 // The same layout on the CPU (LocalCluster), for the diagnostics: [world rank][op] logits.
 std::vector<std::vector<std::vector<float>>> play_cpu_layout(const Model& m, const Script& s, const Layout& L,
-                                                             StepKind kind) {
+                                                             StepKind kind, SharedExperts shared) {
   CacheOptions co;
   co.max_slots = 6;
   co.max_context = 48;
@@ -145,6 +145,7 @@ std::vector<std::vector<std::vector<float>>> play_cpu_layout(const Model& m, con
   co.page_size = 4;
   EngineOptions eo(co);
   eo.step = kind;
+  eo.shared = shared;
   LocalCluster cluster(m.src, m.config, eo, L);
   std::vector<std::vector<std::vector<float>>> per_rank(L.world());
   cluster.run([&](int w, Engine& e) {
@@ -305,10 +306,16 @@ TEST_P(GpuParallel, MatchesCpuSingleRank) {
     const Script s = make_script(L.dp, static_cast<int>(V));
     const auto ref = play_reference(m, s);
     std::map<StepKind, std::vector<std::vector<std::vector<float>>>> runs;
-    for (StepKind kind : {StepKind::Stock, StepKind::Hybrid}) {
-      const std::string what = layout_name(GetParam()) + " " + variant + " " + step_kind_name(kind);
+    // Stock, hybrid, and hybrid with the shared experts / dense MLP TP-sharded (ffn tp).
+    for (int mode = 0; mode < 3; ++mode) {
+      const StepKind kind = mode == 0 ? StepKind::Stock : StepKind::Hybrid;
+      const SharedExperts shared = mode == 2 ? SharedExperts::Tp : SharedExperts::Replicated;
+      const std::string label = mode == 2 ? "tp-ffn" : step_kind_name(kind);
+      const std::string what = layout_name(GetParam()) + " " + variant + " " + label;
       SCOPED_TRACE(what);
-      LocalGpuCluster cluster(*m.src, m.config, gpu_opts(), L);
+      GpuRankOptions go = gpu_opts();
+      go.steps.shared = shared;
+      LocalGpuCluster cluster(*m.src, m.config, go, L);
       auto per_rank = play_gpu(cluster, s, kind, what);
       Ratio r;
       for (int w = 0; w < L.world(); ++w) {
@@ -330,25 +337,25 @@ TEST_P(GpuParallel, MatchesCpuSingleRank) {
           r.add(ref[p][j], per_rank[w][j], V, where);
         }
       }
-      std::printf("[ gpu parallel ] %-13s %-4s %-6s %s\n", layout_name(GetParam()).c_str(), variant,
-                  step_kind_name(kind), r.summary().c_str());
+      std::printf("[ gpu parallel ] %-13s %-4s %-6s %s\n", layout_name(GetParam()).c_str(), variant, label.c_str(),
+                  r.summary().c_str());
       if (L.world() > 1) {
         // Diagnostics only: the same layout on the CPU. A GPU bug shows here as much as
         // against the single rank; layout noise (summation order, flipped near-ties) does not.
-        const auto cpu = play_cpu_layout(m, s, L, kind);
+        const auto cpu = play_cpu_layout(m, s, L, kind, shared);
         Ratio rc;
         for (int p = 0; p < L.dp; ++p)
           for (size_t j = 0; j < std::min(cpu[p * L.tp].size(), per_rank[p * L.tp].size()); ++j)
             rc.add(cpu[p * L.tp][j], per_rank[p * L.tp][j], V, "replica " + std::to_string(p) + " op " + std::to_string(j));
         std::printf("[ gpu parallel ] %-13s %-4s %-6s vs the CPU on the same layout: %s\n",
-                    layout_name(GetParam()).c_str(), variant, step_kind_name(kind), rc.summary().c_str());
+                    layout_name(GetParam()).c_str(), variant, label.c_str(), rc.summary().c_str());
       }
       std::fflush(stdout);
       EXPECT_LE(r.quantile(0.5), kMedianTol) << what << ": median row ratio; " << r.summary();
       EXPECT_LE(r.quantile(0.8), kP80Tol) << what << ": 80th percentile row ratio; " << r.summary();
       EXPECT_LE(r.mean(), kMeanTol) << what << ": mean row ratio; " << r.summary();
       EXPECT_LE(r.worst, kWorstTol) << what << ": worst row; " << r.summary();
-      runs[kind] = std::move(per_rank);
+      if (mode < 2) runs[kind] = std::move(per_rank);
     }
     // Informational: stock and hybrid are bitwise equal on the CPU; on the GPU the
     // dense MLP runs on shard rows (stock) vs all rows (hybrid) and cuBLASLt may
