@@ -20,7 +20,7 @@ namespace k3::ops::cuda {
 // x [rows, in] BF16, w [out, in] BF16 -> y [rows, out], BF16 (rounded once from the FP32 sum) or FP32
 // when y_f32; FP32 accumulation. y must not alias x. Paths (src/ops/linear.cu, linear_skinny.cu):
 //   rows == 1:                  linear_rows_kernel, CUDA cores, W streamed once (one row is a pure
-//                               stream of W; no slower than cuBLASLt, docs/perf/ops_6a5a50f.log);
+//                               stream of W; no slower than cuBLASLt: bench --ops linear);
 //   2 <= rows <= 64 (skinny):   linear_skinny, tensor cores, W streamed once through a cp.async ring,
 //                               split K over the CTAs with a fixed-order FP32 sum (cuBLASLt falls short
 //                               of the HBM bandwidth at these shapes); needs in % 8 == 0 and 16-byte aligned
@@ -33,7 +33,7 @@ constexpr int64_t kLinearRowsKernelMaxRows = 1;
 constexpr int64_t kLinearSkinnyMinRows = 2;
 constexpr int64_t kLinearSkinnyMaxRows = 64;
 // Whether Auto (the engine) takes the skinny kernel. Off: it passes its GPU tests (CudaLinearSkinny), but
-// against cuBLASLt (docs/perf/ops_linear_9b0a6e2.log) it wins on only three K3 shapes at 2-16 rows and
+// against cuBLASLt (bench --ops linear, docs/PERF.md) it wins on only three K3 shapes at 2-16 rows and
 // loses elsewhere, most at 64 rows; it stays reachable through
 // LinearPath::Kernel (tests, bench --ops) until it is faster.
 constexpr bool kLinearAutoSkinny = false;

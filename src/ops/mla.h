@@ -50,7 +50,7 @@ namespace k3::ops::cuda {
 // (and Auto) = one strided-batched cuBLASLt product over the heads (tensor cores, FP32 accumulation in its
 // own order; the kernels if it has no algorithm); Kernel = the hand-written kernels (FP32 sums in the
 // CPU's order, CUDA cores). Auto takes cuBLASLt: its tensor cores beat the CUDA-core kernels at K3's
-// shapes at every token count (docs/perf/ops_mla_aba16b5.log); the kernels stay as the fallback and the
+// shapes at every token count (bench --ops mla, docs/PERF.md); the kernels stay as the fallback and the
 // CPU-order path the GPU tests compare against.
 
 // q BF16 [T, H, dn+P], w_kvb BF16 [H*(dn+dv), R] -> q_lat BF16 [T, H, R+P].

@@ -1,3 +1,4 @@
+// The CUDA Context (ops/cuda_context.h): a stream, a cuBLASLt handle and its workspace on the current device.
 #include "gpu_test_util.h"
 
 namespace k3 {
