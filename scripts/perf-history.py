@@ -10,7 +10,8 @@ instead, for a run whose JSON was not kept; the text has no commit, so --commit
 names it (it also overrides the JSON's "commit" field). CSV defaults to
 docs/perf/history.csv; it is created with its header when missing.
 
-One row per (commit, variant, step, B, q): B = requests, q = tokens per request,
+One row per (commit, variant, step, B, q): step = stock, hybrid (the seed's,
+replicated shared experts) or hybrid-tp (--shared-experts tp); B = requests, q = tokens per request,
 time_ms = median of the timed graph replays, floor_ms = bytes touched / the HBM
 read bandwidth measured in the same run (hbm_gbps). A point already in the
 file is left as it is and reported (so running twice adds nothing). Only
@@ -50,7 +51,9 @@ def from_json(path, commit):
         c = commit or r.get("commit", "")
         if not c:
             sys.exit(f"perf-history: {path} names no commit; pass --commit")
-        out.append(row(c, r["variant"], r["step"], r["requests"], r["q"], r["median_us"], r["floor_us"],
+        # The hybrid step with TP-sharded shared experts (--shared-experts tp) is its own series.
+        step = r["step"] + ("-tp" if r.get("shared_experts") == "tp" else "")
+        out.append(row(c, r["variant"], step, r["requests"], r["q"], r["median_us"], r["floor_us"],
                        r.get("hbm_gbps")))
     return out
 

@@ -16,7 +16,8 @@ from collections import defaultdict
 
 W, H = 460, 320  # one panel
 ML, MR, MT, MB = 64, 16, 36, 46  # margins
-COLORS = {"stock": "#c0392b", "hybrid": "#2471a3", "floor": "#555555"}
+COLORS = {"stock": "#c0392b", "hybrid": "#2471a3", "hybrid-tp": "#1e8449", "floor-tp": "#58d68d",
+          "floor": "#555555"}
 
 
 def esc(s):
@@ -100,8 +101,13 @@ def main(argv):
             if key not in r:
                 sys.exit(f"plot-bench: a record lacks '{key}' (not k3decode bench --json output?)")
         series, floor = groups[(r["variant"], r["q"])]
-        series[r["step"]].append((r["rows"], r["median_us"] / 1e3))
-        floor[r["rows"]] = r["floor_us"] / 1e3
+        # The hybrid step with TP-sharded shared experts has its own (lower) floor: both drawn as series.
+        tp = r.get("shared_experts") == "tp"
+        series[r["step"] + ("-tp" if tp else "")].append((r["rows"], r["median_us"] / 1e3))
+        if tp:
+            series["floor-tp"].append((r["rows"], r["floor_us"] / 1e3))
+        else:
+            floor[r["rows"]] = r["floor_us"] / 1e3
     keys = sorted(groups)
     cols = min(2, len(keys))
     nrows = (len(keys) + cols - 1) // cols

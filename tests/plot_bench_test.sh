@@ -6,12 +6,13 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 json="$root/docs/perf/rank_slice_k3.json"
-python3 "$root/scripts/plot-bench.py" "$tmp/out.svg" "$json" | grep -q "16 records, 2 panels" || { echo "FAIL: summary"; exit 1; }
-# 16 records (2 steps x 4 row counts x 2 q) + one floor point per (q, rows) = 8.
+python3 "$root/scripts/plot-bench.py" "$tmp/out.svg" "$json" | grep -q "24 records, 2 panels" || { echo "FAIL: summary"; exit 1; }
+# 24 records (stock, hybrid, hybrid with TP-sharded shared experts x 4 row counts x 2 q) + one point per
+# (q, rows) of each floor (replicated, tp) = 16.
 points=$(grep -c "<circle" "$tmp/out.svg")
-[ "$points" -eq 24 ] || { echo "FAIL: $points points, expected 24"; exit 1; }
+[ "$points" -eq 40 ] || { echo "FAIL: $points points, expected 40"; exit 1; }
 lines=$(grep -c "<polyline" "$tmp/out.svg")
-[ "$lines" -eq 6 ] || { echo "FAIL: $lines lines, expected 6 (stock, hybrid, floor per panel)"; exit 1; }
+[ "$lines" -eq 10 ] || { echo "FAIL: $lines lines, expected 10 (stock, hybrid, hybrid-tp and two floors per panel)"; exit 1; }
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); del d[0]['floor_us']; json.dump(d, open(sys.argv[2],'w'))" \
   "$json" "$tmp/bad.json"
 if python3 "$root/scripts/plot-bench.py" "$tmp/bad.svg" "$tmp/bad.json" 2>"$tmp/err.txt"; then
