@@ -80,6 +80,7 @@ struct Server {
   ServeOptions opt;
   std::atomic<int64_t> next_id{1};
   std::atomic<int64_t> http_errors{0}, disconnects{0};
+  std::atomic<int64_t> in_flight{0};  // generation requests not yet answered (a stream: until its last write)
   std::chrono::steady_clock::time_point started = std::chrono::steady_clock::now();
   std::optional<int32_t> im_end, im_user, im_assistant, im_system, im_middle;
 
@@ -334,6 +335,14 @@ json usage(size_t prompt, size_t completion) {
 }
 
 void handle_generation(Server& s, const httplib::Request& hreq, httplib::Response& res, bool chat) {
+  ++s.in_flight;
+  struct Done {
+    Server& s;
+    bool handed_over = false;  // to the stream's releaser
+    ~Done() {
+      if (!handed_over) --s.in_flight;
+    }
+  } done{s};
   json body;
   try {
     body = json::parse(hreq.body);
@@ -493,7 +502,9 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
           ++s.disconnects;
           cancel_all();  // the client went away before the end: free its slots
         }
+        --s.in_flight;
       });
+  done.handed_over = true;
 }
 
 std::string metrics_text(Server& s) {
@@ -637,8 +648,15 @@ int serve(Decoder& decoder, std::optional<Tokenizer> tokenizer, const SchedulerO
     if (finished) return;  // our own wake-up at the end
     std::cerr << fmt::format("k3decode serve: signal {}: draining\n", sig);
     draining = true;
-    sched.stop_accepting();
-    http.stop();  // listen_after_bind returns once the handlers in flight have answered
+    sched.stop_accepting();  // new requests: 503
+    // Drain: every admitted request finishes and every answer (a stream: its last event) is written; then stop
+    // listening (httplib's stop cuts the streams still being written).
+    for (;;) {
+      const SchedulerMetrics m = sched.metrics();
+      if (m.running == 0 && m.queue_depth == 0 && s.in_flight == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    http.stop();
   });
   std::cerr << fmt::format("k3decode serve: listening on http://{}:{} (model {}, {} slots, tokenizer {}, chat {})\n",
                            options.host, port, options.model_name, decoder.max_slots(), s.tok ? "yes" : "no",
