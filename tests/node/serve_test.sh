@@ -24,7 +24,7 @@ rm -rf "$work"
 mkdir -p "$work"
 "$k3" make-model --preset small --tokenizer --seed 5 --out "$work/small"
 
-cleanup() { for f in "$work"/*.pid; do [[ -f $f ]] && kill "$(cat "$f")" 2>/dev/null; done; true; }
+cleanup() { for f in "$work"/*.pid; do if [[ -f $f ]]; then kill "$(cat "$f")" 2>/dev/null || true; fi; done; }
 trap cleanup EXIT
 start() {  # start LOG ARGS...: a server on a free port; its URL goes to LOG.url
   local log=$1
