@@ -2,11 +2,13 @@
 //   generate    decode a prompt on a model directory or the embedded tiny model
 //   make-model  write a synthetic checkpoint in the published K3 layout
 //   inspect     print a config's layer plan and parameter count
+//   serve       an OpenAI-compatible HTTP server (cli/serve.h)
 // Exit code 0 on success; on any error one line on stderr and exit code 1.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -18,6 +20,7 @@
 #include "ops/sampling.h"
 #include "runtime/cluster.h"
 #include "runtime/generate.h"
+#include "cli/serve.h"
 #ifdef K3_MPI
 #include "comm/mpi.h"
 #endif
@@ -154,6 +157,29 @@ int main(int argc, char** argv) {
   auto* ins = app.add_subcommand("inspect", "print the layer plan and parameter count of a config");
   add_model_args(ins, im);
   ins->add_option("--config", config_path, "a config.json file");
+
+  ModelArgs sm;
+  ServeOptions so;
+  SchedulerOptions sched_opts;
+  CacheOptions scache;
+  scache.max_context = 4096;
+  std::string sstep = "auto", sdevice = "cpu";
+  auto* srv = app.add_subcommand("serve", "an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                          "/v1/models, /health, /metrics)");
+  add_model_args(srv, sm);
+  srv->add_option("--host", so.host, "address to listen on")->capture_default_str();
+  srv->add_option("--port", so.port, "port (0: any free port, printed on stderr)")->capture_default_str();
+  srv->add_option("--max-slots", scache.max_slots, "concurrent requests (decode batch)")->capture_default_str();
+  srv->add_option("--max-context", scache.max_context, "tokens per request (prompt + output)")->capture_default_str();
+  srv->add_option("--max-q", scache.max_q, "tokens per request per step (prefill chunk, verify width)")
+      ->capture_default_str();
+  srv->add_option("--max-queue", sched_opts.max_queue, "requests waiting for a slot before 429")->capture_default_str();
+  srv->add_option("--draft", sched_opts.draft_tokens, "n-gram (prompt lookup) draft tokens per step; 0 = off")
+      ->capture_default_str();
+  srv->add_option("--ngram", sched_opts.ngram_max, "longest suffix matched by the drafter")->capture_default_str();
+  srv->add_option("--step", sstep, "decode step: auto | stock | hybrid")->capture_default_str();
+  srv->add_option("--device", sdevice, "cpu | gpu (one GPU; CUDA builds)")->capture_default_str();
+  srv->add_option("--served-model-name", so.model_name, "the model id in responses (default: the directory name)");
 
 #ifdef K3_CUDA
   BenchArgs ba;
@@ -317,6 +343,39 @@ int main(int argc, char** argv) {
       } else {
         for (const auto& x : results) std::cout << (tok ? tok->decode(x.tokens) : join(x.tokens, " ")) << "\n";
       }
+    } else if (*srv) {
+      K3_CHECK(sstep == "auto" || sstep == "stock" || sstep == "hybrid", "--step {}: expected auto | stock | hybrid",
+               sstep);
+      K3_CHECK(sdevice == "cpu" || sdevice == "gpu", "--device {}: expected cpu | gpu", sdevice);
+      const StepKind kind = sstep == "stock" ? StepKind::Stock : sstep == "hybrid" ? StepKind::Hybrid : StepKind::Auto;
+      auto [src, config] = open_model(sm);
+      std::optional<Tokenizer> tok;
+      if (!sm.dir.empty() && Tokenizer::present(sm.dir)) tok = Tokenizer::load(sm.dir);
+      if (so.model_name.empty() || so.model_name == "k3")
+        so.model_name = sm.dir.empty() ? "embedded-" + sm.preset + "-" + sm.variant
+                                       : std::filesystem::path(sm.dir).lexically_normal().filename().string();
+      if (so.model_name.empty()) so.model_name = sm.dir;
+      if (sdevice == "gpu") {
+#ifdef K3_CUDA
+        K3_CHECK(cuda_device_available(), "--device gpu: no usable CUDA device on this machine");
+        GpuRankOptions go;
+        go.max_slots = scache.max_slots;
+        go.max_batch = scache.max_slots;
+        go.max_q = scache.max_q;
+        go.max_context = scache.max_context;
+        go.page_size = scache.page_size;
+        go.steps = StepOptions{kind, EngineOptions{}.moe_capacity};
+        GpuDecoder decoder(*src, config, go);
+        return serve(decoder, std::move(tok), sched_opts, so);
+#else
+        fail("--device gpu: this build has no CUDA backend (build with nvcc present)");
+#endif
+      }
+      EngineOptions eo(scache);
+      eo.step = kind;
+      Engine engine(src, config, eo);
+      EngineDecoder decoder(engine);
+      return serve(decoder, std::move(tok), sched_opts, so);
 #ifdef K3_CUDA
     } else if (*bench) {
       return run_bench(ba);

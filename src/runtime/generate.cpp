@@ -19,32 +19,16 @@ struct Live {
   GenerateResult result;
 };
 
-class EngineDecoder : public Decoder {
- public:
-  explicit EngineDecoder(Engine& e) : e_(e) {}
-  const ModelConfig& config() const override { return e_.config(); }
-  const Layout& layout() const override { return e_.layout(); }
-  int world_rank() const override { return e_.world_rank(); }
-  int max_slots() const override { return e_.options().max_slots; }
-  int max_q() const override { return e_.options().max_q; }
-  int64_t max_context() const override { return e_.options().max_context; }
-  int admit() override { return e_.admit(); }
-  void release(int slot) override { e_.release(slot); }
-  std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override {
-    return e_.step(slots, q, tokens);
-  }
-  void commit(std::span<const int> slots, int q) override {
-    for (int s : slots) e_.commit(s, q);
-  }
-  void world_sum(float* data, int64_t n) override {
-    if (e_.layout().world() > 1) e_.world().all_reduce(data, n, DType::F32);
-  }
-
- private:
-  Engine& e_;
-};
-
 }  // namespace
+
+void EngineDecoder::commit(std::span<const int> slots, std::span<const int> counts) {
+  K3_CHECK(slots.size() == counts.size(), "commit: {} slots but {} counts", slots.size(), counts.size());
+  for (size_t i = 0; i < slots.size(); ++i) e_.commit(slots[i], counts[i]);
+}
+
+void EngineDecoder::world_sum(float* data, int64_t n) {
+  if (e_.layout().world() > 1) e_.world().all_reduce(data, n, DType::F32);
+}
 
 std::vector<GenerateResult> generate(Engine& engine, const std::vector<std::vector<int32_t>>& prompts, int max_new,
                                      const SamplingParams& sp, bool keep_logits) {

@@ -53,8 +53,36 @@ class Decoder {
   virtual std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) = 0;
   // Commits all q tokens of the last step for each slot.
   virtual void commit(std::span<const int> slots, int q) = 0;
+  // Commits the first counts[i] (1..q) tokens of the last step for slots[i]: a verify step's accepted prefix
+  // (the KDA state after exactly those tokens; the cache past them is overwritten later).
+  virtual void commit(std::span<const int> slots, std::span<const int> counts) = 0;
   // Sum over the world's ranks of host floats (identity on one rank).
   virtual void world_sum(float* data, int64_t n) = 0;
+};
+
+// The CPU Engine as a Decoder (generate, the Scheduler).
+class EngineDecoder : public Decoder {
+ public:
+  explicit EngineDecoder(Engine& e) : e_(e) {}
+  const ModelConfig& config() const override { return e_.config(); }
+  const Layout& layout() const override { return e_.layout(); }
+  int world_rank() const override { return e_.world_rank(); }
+  int max_slots() const override { return e_.options().max_slots; }
+  int max_q() const override { return e_.options().max_q; }
+  int64_t max_context() const override { return e_.options().max_context; }
+  int admit() override { return e_.admit(); }
+  void release(int slot) override { e_.release(slot); }
+  std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override {
+    return e_.step(slots, q, tokens);
+  }
+  void commit(std::span<const int> slots, int q) override {
+    for (int s : slots) e_.commit(s, q);
+  }
+  void commit(std::span<const int> slots, std::span<const int> counts) override;
+  void world_sum(float* data, int64_t n) override;
+
+ private:
+  Engine& e_;
 };
 
 std::vector<GenerateResult> generate(Decoder& decoder, const std::vector<std::vector<int32_t>>& prompts, int max_new,

@@ -47,6 +47,10 @@ void GpuDecoder::commit(std::span<const int> slots, int q) {
   rank_->commit(slots, accepted);
 }
 
+void GpuDecoder::commit(std::span<const int> slots, std::span<const int> counts) {
+  rank_->commit(slots, counts);
+}
+
 void GpuDecoder::world_sum(float* data, int64_t n) {
   if (world_ == nullptr || layout_.world() == 1 || n == 0) return;
   const size_t bytes = static_cast<size_t>(n) * sizeof(float);

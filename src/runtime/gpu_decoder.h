@@ -41,6 +41,7 @@ class GpuDecoder : public Decoder {
   void release(int slot) override { rank_->release(slot); }
   std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override;
   void commit(std::span<const int> slots, int q) override;
+  void commit(std::span<const int> slots, std::span<const int> counts) override;
   void world_sum(float* data, int64_t n) override;
 
  private:

@@ -1,0 +1,34 @@
+// `k3decode serve`: an OpenAI-compatible HTTP server over the Scheduler (runtime/scheduler.h).
+//
+// One scheduler thread drives the Decoder; HTTP handler threads (cpp-httplib's
+// pool) parse a request, submit it and wait for its tokens. Endpoints:
+//   POST /v1/completions        prompt: text, token ids, or a list of either (one choice each)
+//   POST /v1/chat/completions   when the tokenizer has Kimi's role markers
+//   GET  /v1/models, /health, /metrics (Prometheus text)
+// Every choice carries `token_ids`. `stream: true` answers with server-sent
+// events (`data: {...}` per new tokens, then `data: [DONE]`); a streaming
+// client that goes away cancels its requests (the write fails). Bad requests
+// get a 4xx with {"error": {"message", "type", "param", "code"}}. SIGINT /
+// SIGTERM: stop accepting, finish the requests in flight, return 0.
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "io/tokenizer.h"
+#include "runtime/scheduler.h"
+
+namespace k3 {
+
+struct ServeOptions {
+  std::string host = "127.0.0.1";
+  int port = 8000;             // 0: any free port (printed on stderr)
+  std::string model_name = "k3";
+  int http_threads = 0;        // 0: enough for every slot and queued request
+};
+
+// Serves until SIGINT / SIGTERM; returns the exit code.
+int serve(Decoder& decoder, std::optional<Tokenizer> tokenizer, const SchedulerOptions& sched,
+          const ServeOptions& options);
+
+}  // namespace k3

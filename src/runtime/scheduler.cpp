@@ -1,0 +1,459 @@
+// Scheduler (runtime/scheduler.h): admission, prefill / decode steps, n-gram drafting, streaming.
+#include "runtime/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "ops/sampling.h"
+
+namespace k3 {
+
+const char* finish_reason_name(FinishReason r) {
+  switch (r) {
+    case FinishReason::None: return "none";
+    case FinishReason::Length: return "length";
+    case FinishReason::Stop: return "stop";
+    case FinishReason::Eos: return "eos";
+    case FinishReason::Cancelled: return "cancelled";
+    case FinishReason::Error: return "error";
+  }
+  return "?";
+}
+
+struct Scheduler::Live {
+  int64_t id = 0;
+  Request req;
+  RequestCallback cb;
+  int slot = -1;
+  size_t fed = 0;                // prompt tokens fed
+  std::vector<int32_t> context;  // prompt + generated
+  std::vector<int32_t> out;      // generated
+  std::vector<float> lps;
+  size_t emitted = 0;
+  Rng rng{0};
+  bool done = false;
+};
+
+namespace {
+
+// log p(tok) under softmax(logits) (temperature 1), in double.
+float log_prob(const float* logits, int64_t V, int32_t tok) {
+  double m = -INFINITY;
+  for (int64_t i = 0; i < V; ++i) m = std::max(m, static_cast<double>(logits[i]));
+  double z = 0;
+  for (int64_t i = 0; i < V; ++i) z += std::exp(static_cast<double>(logits[i]) - m);
+  return static_cast<float>(static_cast<double>(logits[tok]) - m - std::log(z));
+}
+
+// The distribution ops::sample_top_p draws from: softmax(logits / T) restricted to the smallest set of
+// highest-probability tokens (ties to the lower id) reaching top_p, renormalised. Zero elsewhere.
+std::vector<double> top_p_probs(const float* logits, int64_t V, float temperature, float top_p) {
+  double m = -INFINITY;
+  for (int64_t i = 0; i < V; ++i) m = std::max(m, static_cast<double>(logits[i]));
+  std::vector<double> p(static_cast<size_t>(V));
+  double z = 0;
+  for (int64_t i = 0; i < V; ++i) z += p[i] = std::exp((static_cast<double>(logits[i]) - m) / temperature);
+  std::vector<int32_t> order(static_cast<size_t>(V));
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  const double need = static_cast<double>(top_p) * z;
+  double kept = 0;
+  int64_t keep = 0;
+  while (keep < V && kept < need) kept += p[order[keep++]];
+  std::vector<double> q(static_cast<size_t>(V), 0.0);
+  for (int64_t i = 0; i < keep; ++i) q[order[i]] = p[order[i]] / kept;
+  return q;
+}
+
+int32_t draw(const std::vector<double>& p, Rng& rng) {
+  double total = 0;
+  for (double v : p) total += v;
+  const double target = rng.uniform() * total;
+  double cum = 0;
+  int32_t last = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (p[i] <= 0) continue;
+    cum += p[i];
+    last = static_cast<int32_t>(i);
+    if (target < cum) return last;
+  }
+  return last;
+}
+
+}  // namespace
+
+Scheduler::Scheduler(Decoder& decoder, const SchedulerOptions& options) : dec_(decoder), opts_(options) {
+  K3_CHECK(dec_.layout().world() == 1, "scheduler: one rank only (a layout of {} ranks needs the step plan "
+           "broadcast to every rank)", dec_.layout().world());
+  K3_CHECK(opts_.max_queue >= 0, "scheduler: max_queue {} must be >= 0", opts_.max_queue);
+  K3_CHECK(opts_.draft_tokens >= 0, "scheduler: draft_tokens {} must be >= 0", opts_.draft_tokens);
+  K3_CHECK(opts_.ngram_min >= 1 && opts_.ngram_max >= opts_.ngram_min, "scheduler: n-gram sizes {}..{} invalid",
+           opts_.ngram_min, opts_.ngram_max);
+  opts_.draft_tokens = std::min(opts_.draft_tokens, dec_.max_q() - 1);
+  vocab_ = dec_.config().vocab_size;
+  m_.free_slots = dec_.max_slots();
+}
+
+Scheduler::~Scheduler() {
+  for (auto& r : running_)
+    if (r->slot >= 0) dec_.release(r->slot);
+}
+
+int64_t Scheduler::submit(Request req, RequestCallback callback) {
+  auto refuse = [&](SubmitError::Kind k, const std::string& msg) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++m_.requests_rejected;
+    throw SubmitError(k, msg);
+  };
+  const int64_t V = vocab_;
+  if (req.prompt.empty()) refuse(SubmitError::Kind::Invalid, "the prompt is empty");
+  for (int32_t t : req.prompt)
+    if (t < 0 || t >= V)
+      refuse(SubmitError::Kind::Invalid, fmt::format("token id {} in the prompt is outside the vocabulary 0..{}", t,
+                                                     V - 1));
+  if (req.max_tokens < 1) refuse(SubmitError::Kind::Invalid, fmt::format("max_tokens {} must be >= 1", req.max_tokens));
+  const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.max_tokens - 1;
+  if (need > dec_.max_context())
+    refuse(SubmitError::Kind::Invalid,
+           fmt::format("the prompt of {} tokens + max_tokens {} exceeds the context of {} tokens", req.prompt.size(),
+                       req.max_tokens, dec_.max_context()));
+  if (!req.sampling.greedy) {
+    try {
+      ops::check_sampling_params(req.sampling.temperature, req.sampling.top_p);
+    } catch (const Error& e) {
+      refuse(SubmitError::Kind::Invalid, e.what());
+    }
+    if (req.sampling.temperature <= 0) req.sampling.greedy = true;
+  }
+  for (const auto& s : req.stop) {
+    if (s.empty()) refuse(SubmitError::Kind::Invalid, "a stop sequence is empty");
+    for (int32_t t : s)
+      if (t < 0 || t >= V)
+        refuse(SubmitError::Kind::Invalid, fmt::format("token id {} in a stop sequence is outside the vocabulary", t));
+  }
+  auto r = std::make_unique<Live>();
+  r->req = std::move(req);
+  r->cb = std::move(callback);
+  r->rng = Rng(r->req.sampling.seed);
+  r->context = r->req.prompt;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!accepting_) {
+    ++m_.requests_rejected;
+    throw SubmitError(SubmitError::Kind::ShuttingDown, "the server is shutting down");
+  }
+  if (static_cast<int64_t>(waiting_.size()) >= opts_.max_queue) {
+    ++m_.requests_rejected;
+    throw SubmitError(SubmitError::Kind::QueueFull,
+                      fmt::format("the wait queue is full ({} requests waiting)", waiting_.size()));
+  }
+  r->id = next_id_++;
+  const int64_t id = r->id;
+  index_[id] = r.get();
+  waiting_.push_back(std::move(r));
+  ++m_.requests_submitted;
+  m_.queue_depth = static_cast<int64_t>(waiting_.size());
+  cv_.notify_all();
+  return id;
+}
+
+bool Scheduler::cancel(int64_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!index_.count(id)) return false;
+  cancels_.push_back(id);
+  cv_.notify_all();
+  return true;
+}
+
+void Scheduler::emit(Live& r) {
+  size_t hold = 0;
+  for (const auto& s : r.req.stop)  // the longest suffix of out that a stop sequence may still complete
+      for (size_t n = std::min(s.size() - 1, r.out.size()); n > hold; --n)
+        if (std::equal(r.out.end() - static_cast<int64_t>(n), r.out.end(), s.begin())) {
+          hold = n;
+          break;
+        }
+  const size_t upto = r.out.size() - hold;
+  if (upto <= r.emitted) return;
+  RequestEvent ev;
+  ev.tokens.assign(r.out.begin() + static_cast<int64_t>(r.emitted), r.out.begin() + static_cast<int64_t>(upto));
+  if (r.req.logprobs)
+    ev.logprobs.assign(r.lps.begin() + static_cast<int64_t>(r.emitted), r.lps.begin() + static_cast<int64_t>(upto));
+  r.emitted = upto;
+  if (r.cb) r.cb(ev);
+}
+
+void Scheduler::finish(Live& r, FinishReason reason, const std::string& error) {
+  if (r.done) return;
+  r.done = true;
+  RequestEvent ev;
+  if (reason != FinishReason::Cancelled && reason != FinishReason::Error && r.out.size() > r.emitted) {
+    ev.tokens.assign(r.out.begin() + static_cast<int64_t>(r.emitted), r.out.end());
+    if (r.req.logprobs) ev.logprobs.assign(r.lps.begin() + static_cast<int64_t>(r.emitted), r.lps.end());
+    r.emitted = r.out.size();
+  }
+  ev.done = true;
+  ev.reason = reason;
+  ev.error = error;
+  {  // the slot is released by reap(), after the step's commit
+    std::lock_guard<std::mutex> lock(mu_);
+    index_.erase(r.id);
+    ++m_.requests_finished;
+    switch (reason) {
+      case FinishReason::Length: ++m_.finished_length; break;
+      case FinishReason::Stop: ++m_.finished_stop; break;
+      case FinishReason::Eos: ++m_.finished_eos; break;
+      case FinishReason::Cancelled: ++m_.finished_cancelled; break;
+      default: ++m_.finished_error; break;
+    }
+  }
+  if (r.cb) r.cb(ev);
+}
+
+// Appends one generated token; finishes the request on eos, a completed stop sequence or max_tokens.
+void Scheduler::append_token(Live& r, int32_t tok, float logprob) {
+  r.out.push_back(tok);
+  r.lps.push_back(logprob);
+  r.context.push_back(tok);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++m_.generated_tokens;
+  }
+  if (r.req.sampling.stop_at_eos && tok == dec_.config().eos_token_id) return finish(r, FinishReason::Eos);
+  for (const auto& s : r.req.stop)
+    if (r.out.size() >= s.size() && std::equal(s.begin(), s.end(), r.out.end() - static_cast<int64_t>(s.size()))) {
+      r.out.resize(r.out.size() - s.size());  // a stop sequence is not part of the output
+      r.lps.resize(r.out.size());
+      return finish(r, FinishReason::Stop);
+    }
+  if (static_cast<int>(r.out.size()) >= r.req.max_tokens) return finish(r, FinishReason::Length);
+}
+
+std::vector<int32_t> Scheduler::propose(const Live& r, int k) const {
+  const auto& c = r.context;
+  const int64_t n_ctx = static_cast<int64_t>(c.size());
+  if (k <= 0) return {};
+  for (int n = opts_.ngram_max; n >= opts_.ngram_min; --n) {
+    if (n_ctx < n + 1) continue;
+    const auto suffix = c.end() - n;
+    for (int64_t i = n_ctx - n - 1; i >= 0; --i)  // the latest earlier occurrence
+      if (std::equal(suffix, c.end(), c.begin() + i)) {
+        const int64_t from = i + n, to = std::min(n_ctx, from + k);
+        return std::vector<int32_t>(c.begin() + from, c.begin() + to);
+      }
+  }
+  return {};
+}
+
+bool Scheduler::step_prefill(std::vector<Live*>& group) {
+  int q = dec_.max_q();
+  for (Live* r : group) q = std::min<int>(q, static_cast<int>(r->req.prompt.size() - r->fed));
+  std::vector<int> slots;
+  std::vector<int32_t> tokens;
+  for (Live* r : group) {
+    slots.push_back(r->slot);
+    tokens.insert(tokens.end(), r->req.prompt.begin() + static_cast<int64_t>(r->fed),
+                  r->req.prompt.begin() + static_cast<int64_t>(r->fed) + q);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<float> logits = dec_.step(slots, q, tokens);
+  dec_.commit(slots, q);
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++m_.steps;
+    ++m_.prefill_steps;
+    m_.step_seconds += dt;
+    m_.batch_rows += static_cast<int64_t>(slots.size()) * q;
+    m_.batch_requests += static_cast<int64_t>(slots.size());
+    m_.last_batch = static_cast<int64_t>(slots.size());
+    m_.prompt_tokens += static_cast<int64_t>(slots.size()) * q;
+  }
+  const int64_t V = vocab_;
+  for (size_t b = 0; b < group.size(); ++b) {
+    Live& r = *group[b];
+    r.fed += static_cast<size_t>(q);
+    if (r.fed < r.req.prompt.size()) continue;
+    const float* row = logits.data() + (static_cast<int64_t>(b) * q + q - 1) * V;
+    const int32_t tok = r.req.sampling.greedy
+                            ? ops::sample_greedy(row, V)
+                            : ops::sample_top_p(row, V, r.req.sampling.temperature, r.req.sampling.top_p, r.rng);
+    append_token(r, tok, r.req.logprobs ? log_prob(row, V, tok) : 0.0f);
+    if (!r.done) emit(r);
+  }
+  return true;
+}
+
+bool Scheduler::step_decode(std::vector<Live*>& group) {
+  const int64_t ctx = dec_.max_context();
+  std::vector<std::vector<int32_t>> drafts(group.size());
+  int q = 1;
+  int64_t room = dec_.max_q();
+  for (size_t b = 0; b < group.size(); ++b) {
+    Live& r = *group[b];
+    const int64_t committed = static_cast<int64_t>(r.req.prompt.size() + r.out.size()) - 1;
+    room = std::min(room, ctx - committed);
+    const int64_t k = std::min<int64_t>({opts_.draft_tokens, r.req.max_tokens - static_cast<int64_t>(r.out.size()) - 1,
+                                         ctx - committed - 1});
+    drafts[b] = propose(r, static_cast<int>(k));
+    q = std::max(q, 1 + static_cast<int>(drafts[b].size()));
+  }
+  q = static_cast<int>(std::min<int64_t>(q, room));  // every request's q tokens must fit its cache
+  std::vector<int> slots;
+  std::vector<int32_t> tokens;
+  for (size_t b = 0; b < group.size(); ++b) {
+    Live& r = *group[b];
+    if (static_cast<int>(drafts[b].size()) > q - 1) drafts[b].resize(static_cast<size_t>(q - 1));
+    slots.push_back(r.slot);
+    tokens.push_back(r.out.back());
+    tokens.insert(tokens.end(), drafts[b].begin(), drafts[b].end());
+    for (int j = 1 + static_cast<int>(drafts[b].size()); j < q; ++j) tokens.push_back(r.out.back());  // padding
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<float> logits = dec_.step(slots, q, tokens);
+  const int64_t V = vocab_;
+  std::vector<int> counts(group.size(), 1);
+  int64_t produced = 0, proposed = 0, accepted = 0;
+  double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (size_t b = 0; b < group.size(); ++b) {
+    Live& r = *group[b];
+    const auto& d = drafts[b];
+    const SamplingParams& sp = r.req.sampling;
+    proposed += static_cast<int64_t>(d.size());
+    int n = 0;
+    for (size_t j = 0; j <= d.size() && !r.done; ++j) {
+      const float* row = logits.data() + (static_cast<int64_t>(b) * q + static_cast<int64_t>(j)) * V;
+      int32_t tok;
+      bool take_draft = false;
+      if (sp.greedy) {
+        tok = ops::sample_greedy(row, V);
+        take_draft = j < d.size() && tok == d[j];
+      } else if (j == d.size()) {
+        tok = ops::sample_top_p(row, V, sp.temperature, sp.top_p, r.rng);
+      } else {
+        std::vector<double> p = top_p_probs(row, V, sp.temperature, sp.top_p);
+        if (r.rng.uniform() < p[d[j]]) {
+          tok = d[j];
+          take_draft = true;
+        } else {
+          p[d[j]] = 0;  // the residual: p without the draft, renormalised by draw()
+          tok = draw(p, r.rng);
+        }
+      }
+      ++n;
+      accepted += take_draft;
+      append_token(r, tok, r.req.logprobs ? log_prob(row, V, tok) : 0.0f);
+      if (!take_draft) break;
+    }
+    counts[b] = n;
+    produced += n;
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  dec_.commit(slots, counts);
+  dt += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  for (Live* r : group)
+    if (!r->done) emit(*r);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++m_.steps;
+  ++m_.decode_steps;
+  m_.step_seconds += dt;
+  m_.batch_rows += static_cast<int64_t>(slots.size()) * q;
+  m_.batch_requests += static_cast<int64_t>(slots.size());
+  m_.last_batch = static_cast<int64_t>(slots.size());
+  m_.decode_request_steps += static_cast<int64_t>(slots.size());
+  m_.decode_tokens += produced;
+  m_.draft_proposed += proposed;
+  m_.draft_accepted += accepted;
+  return true;
+}
+
+void Scheduler::reap() {
+  for (auto& r : running_)
+    if (r->done && r->slot >= 0) {
+      dec_.release(r->slot);
+      r->slot = -1;
+    }
+  std::erase_if(running_, [](const std::unique_ptr<Live>& r) { return r->done; });
+}
+
+bool Scheduler::iterate() {
+  std::vector<int64_t> cancels;
+  std::vector<std::unique_ptr<Live>> dropped;  // cancelled while waiting
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancels.swap(cancels_);
+    for (int64_t id : cancels)
+      for (auto it = waiting_.begin(); it != waiting_.end(); ++it)
+        if ((*it)->id == id) {
+          dropped.push_back(std::move(*it));
+          waiting_.erase(it);
+          break;
+        }
+  }
+  for (auto& r : dropped) finish(*r, FinishReason::Cancelled);
+  for (int64_t id : cancels)
+    for (auto& r : running_)
+      if (r->id == id) finish(*r, FinishReason::Cancelled);
+  // Admit waiting requests into free slots.
+  while (static_cast<int>(running_.size()) < dec_.max_slots()) {
+    std::unique_ptr<Live> r;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (waiting_.empty()) break;
+      r = std::move(waiting_.front());
+      waiting_.pop_front();
+    }
+    r->slot = dec_.admit();
+    running_.push_back(std::move(r));
+  }
+  reap();
+  std::vector<Live*> prefill, decode;
+  for (auto& r : running_) (r->fed < r->req.prompt.size() ? prefill : decode).push_back(r.get());
+  const bool work = !prefill.empty() || !decode.empty();
+  if (work) {
+    const bool do_prefill = !prefill.empty() && (decode.empty() || prefill_turn_);
+    prefill_turn_ = !do_prefill;
+    std::vector<Live*>& group = do_prefill ? prefill : decode;
+    try {
+      do_prefill ? step_prefill(group) : step_decode(group);
+    } catch (const std::exception& e) {  // input errors are raised before the Decoder writes anything
+      for (Live* r : group) finish(*r, FinishReason::Error, e.what());
+    }
+    reap();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  m_.queue_depth = static_cast<int64_t>(waiting_.size());
+  m_.running = static_cast<int64_t>(running_.size());
+  m_.free_slots = dec_.max_slots() - m_.running;
+  return work || !waiting_.empty() || !cancels_.empty();
+}
+
+void Scheduler::run() {
+  for (;;) {
+    if (iterate()) continue;
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stopping_ && waiting_.empty() && running_.empty()) return;
+    cv_.wait_for(lock, std::chrono::milliseconds(50),
+                 [&] { return !waiting_.empty() || !cancels_.empty() || stopping_; });
+    if (stopping_ && waiting_.empty() && running_.empty()) return;
+  }
+}
+
+void Scheduler::stop_accepting() {
+  std::lock_guard<std::mutex> lock(mu_);
+  accepting_ = false;
+}
+
+void Scheduler::stop() {
+  std::lock_guard<std::mutex> lock(mu_);
+  accepting_ = false;
+  stopping_ = true;
+  cv_.notify_all();
+}
+
+SchedulerMetrics Scheduler::metrics() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return m_;
+}
+
+}  // namespace k3

@@ -1,0 +1,272 @@
+// `k3decode serve` driven by the official openai client (run by serve_test.sh).
+// argv: SMALL_URL (model with a tokenizer, drafting on) TINY_URL (embedded tiny model, ids only) K3DECODE MODEL_DIR
+// SMALL_PID. Every token result is compared with `k3decode generate` on the same prompt (greedy).
+import OpenAI from 'openai';
+import { execFileSync } from 'node:child_process';
+import assert from 'node:assert/strict';
+
+const [smallUrl, tinyUrl, k3, modelDir, smallPid] = process.argv.slice(2);
+const small = new OpenAI({ baseURL: `${smallUrl}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 120000 });
+const tiny = new OpenAI({ baseURL: `${tinyUrl}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 120000 });
+let checks = 0;
+const ok = (what) => { checks++; console.log(`ok ${checks} - ${what}`); };
+
+// generate's tokens: one run per prompt list (--prompt ids or --text), greedy.
+function generate(args, maxNew) {
+  const out = execFileSync(k3, ['generate', ...args, '--max-new', String(maxNew), '--max-slots', '64', '--json'],
+                           { encoding: 'utf8' });
+  return JSON.parse(out).requests.map((r) => r.tokens);
+}
+const modelArgs = ['--model', modelDir];
+
+async function metrics(url) {
+  const text = await (await fetch(`${url}/metrics`)).text();
+  const m = {};
+  for (const line of text.split('\n')) {
+    if (!line || line.startsWith('#')) continue;
+    const [k, v] = line.split(' ');
+    m[k] = Number(v);
+  }
+  return m;
+}
+async function health(url) {
+  const r = await fetch(`${url}/health`);
+  return { http: r.status, ...(await r.json()) };
+}
+
+// --- models
+const models = await small.models.list();
+assert.equal(models.data.length, 1);
+assert.equal(models.data[0].chat, true);
+ok(`models: ${models.data[0].id}`);
+
+// --- completions: text prompts against generate --text (drafting on in the server, off in generate)
+const texts = ['Hello, world! Hello, world! Hello, world!', 'The quick brown fox', '分词器 tokenizer 分词器 tokenizer',
+               'def f(x):\n    return x\ndef f(x):\n    return x\n'];
+const refText = generate([...modelArgs, ...texts.flatMap((t) => ['--text', t])], 24);
+const nonStream = [];
+for (let i = 0; i < texts.length; i++) {
+  const r = await small.completions.create({ model: 'x', prompt: texts[i], max_tokens: 24, temperature: 0 });
+  assert.deepEqual(r.choices[0].token_ids, refText[i], `completion ${i}`);
+  assert.equal(typeof r.choices[0].text, 'string');
+  assert.ok(['length', 'stop'].includes(r.choices[0].finish_reason));
+  assert.equal(r.usage.completion_tokens, refText[i].length);
+  nonStream.push(r.choices[0]);
+}
+ok('completions (text) equal generate --text');
+
+// a list of prompts: one choice each
+{
+  const r = await small.completions.create({ model: 'x', prompt: texts.slice(0, 3), max_tokens: 24, temperature: 0 });
+  assert.equal(r.choices.length, 3);
+  for (const c of r.choices) assert.deepEqual(c.token_ids, refText[c.index]);
+  ok('completions (a list of prompts)');
+}
+
+// --- streaming
+for (let i = 0; i < texts.length; i++) {
+  const stream = await small.completions.create({ model: 'x', prompt: texts[i], max_tokens: 24, temperature: 0,
+                                                  stream: true });
+  let ids = [], text = '', finish = null, chunks = 0;
+  for await (const chunk of stream) {
+    chunks++;
+    ids = ids.concat(chunk.choices[0].token_ids);
+    text += chunk.choices[0].text;
+    if (chunk.choices[0].finish_reason) finish = chunk.choices[0].finish_reason;
+  }
+  assert.deepEqual(ids, refText[i], `stream ${i}`);
+  assert.equal(finish, nonStream[i].finish_reason);
+  assert.ok(chunks >= 2, 'streamed in several events');
+  if (!text.includes('\ufffd')) assert.equal(text, nonStream[i].text);
+}
+ok('streaming completions equal the non-streamed ones');
+
+// --- logprobs and seeded sampling
+{
+  const r = await small.completions.create({ model: 'x', prompt: texts[0], max_tokens: 8, temperature: 0, logprobs: 1 });
+  assert.equal(r.choices[0].logprobs.token_logprobs.length, 8);
+  for (const lp of r.choices[0].logprobs.token_logprobs) assert.ok(lp <= 0 && Number.isFinite(lp));
+  const a = await small.completions.create({ model: 'x', prompt: texts[1], max_tokens: 16, temperature: 1.2, seed: 7 });
+  const b = await small.completions.create({ model: 'x', prompt: texts[1], max_tokens: 16, temperature: 1.2, seed: 7 });
+  assert.deepEqual(a.choices[0].token_ids, b.choices[0].token_ids);
+  ok('logprobs; seeded sampling repeats');
+}
+
+// --- stop: a stop string cuts the output before it (token-level match of its encoding)
+{
+  const full = nonStream[1];
+  const stopIds = full.token_ids.slice(5, 7);
+  const r = await small.completions.create({ model: 'x', prompt: texts[1], max_tokens: 24, temperature: 0,
+                                            stop: [stopIds] });
+  let cut = -1;
+  for (let e = 2; e <= full.token_ids.length && cut < 0; e++)
+    if (full.token_ids[e - 2] === stopIds[0] && full.token_ids[e - 1] === stopIds[1]) cut = e - 2;
+  assert.deepEqual(r.choices[0].token_ids, full.token_ids.slice(0, cut));
+  assert.equal(r.choices[0].finish_reason, 'stop');
+  ok('stop sequence');
+}
+
+// --- chat: the Kimi template; tokens are generate's on the same template written out as text
+{
+  const msgs = [{ role: 'system', content: 'You are terse.' }, { role: 'user', content: 'Hello there, hello there' }];
+  const templ = '<|im_system|>system<|im_middle|>You are terse.<|im_end|><|im_user|>user<|im_middle|>' +
+                'Hello there, hello there<|im_end|><|im_assistant|>assistant<|im_middle|>';
+  const ref = generate([...modelArgs, '--text', templ, '--ignore-eos'], 16)[0];
+  const r = await small.chat.completions.create({ model: 'x', messages: msgs, max_tokens: 16, temperature: 0 });
+  const got = r.choices[0].token_ids;
+  assert.equal(r.choices[0].message.role, 'assistant');
+  assert.deepEqual(got, ref.slice(0, got.length), 'chat tokens are a prefix of generate\'s');
+  if (r.choices[0].finish_reason === 'length') assert.equal(got.length, 16);
+  else assert.ok(got.length < ref.length, 'stopped at <|im_end|> or eos');
+  const stream = await small.chat.completions.create({ model: 'x', messages: msgs, max_tokens: 16, temperature: 0,
+                                                       stream: true });
+  let ids = [], role = null;
+  for await (const chunk of stream) {
+    ids = ids.concat(chunk.choices[0].token_ids);
+    if (chunk.choices[0].delta.role) role = chunk.choices[0].delta.role;
+  }
+  assert.deepEqual(ids, got);
+  assert.equal(role, 'assistant');
+  ok(`chat completions (${r.choices[0].finish_reason}), streamed and not`);
+}
+
+// --- 32 concurrent clients (8 slots: the rest wait), ids against one generate run
+{
+  const prompts = Array.from({ length: 32 }, (_, i) => Array.from({ length: 3 + (i % 7) }, (_, j) => (i * 31 + j * 7) % 1000));
+  const ref = generate([...modelArgs, ...prompts.flatMap((p) => ['--prompt', p.join(',')])], 12);
+  const res = await Promise.all(prompts.map((p, i) => i % 2
+    ? small.completions.create({ model: 'x', prompt: p, max_tokens: 12, temperature: 0 }).then((r) => r.choices[0].token_ids)
+    : (async () => {
+        const s = await small.completions.create({ model: 'x', prompt: p, max_tokens: 12, temperature: 0, stream: true });
+        let ids = [];
+        for await (const c of s) ids = ids.concat(c.choices[0].token_ids);
+        return ids;
+      })()));
+  for (let i = 0; i < 32; i++) assert.deepEqual(res[i], ref[i], `concurrent client ${i}`);
+  const m = await metrics(smallUrl);
+  assert.ok(m.k3_batch_size_mean > 1, 'requests were batched');
+  ok(`32 concurrent clients equal generate (mean batch ${m.k3_batch_size_mean.toFixed(2)})`);
+}
+
+// --- cancellation mid-stream: the slot is freed long before max_tokens would be reached
+{
+  const before = await metrics(smallUrl);
+  const stream = await small.completions.create({ model: 'x', prompt: [1, 2, 3], max_tokens: 3000, temperature: 0,
+                                                  stream: true, ignore_eos: true });
+  let n = 0;
+  for await (const chunk of stream) {
+    n += chunk.choices[0].token_ids.length;
+    if (n >= 5) break;  // leaving the loop aborts the HTTP request
+  }
+  let h;
+  const t0 = Date.now();
+  for (;;) {
+    h = await health(smallUrl);
+    if (h.running === 0 || Date.now() - t0 > 10000) break;
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  assert.equal(h.running, 0, 'the cancelled request still holds a slot');
+  assert.equal(h.free_slots, h.max_slots);
+  const after = await metrics(smallUrl);
+  assert.equal(after['k3_requests_finished_total{reason="cancelled"}'],
+               before['k3_requests_finished_total{reason="cancelled"}'] + 1);
+  assert.ok(after.k3_generated_tokens_total - before.k3_generated_tokens_total < 3000);
+  ok(`cancel mid-stream frees the slot (${Date.now() - t0} ms)`);
+}
+
+// --- bad requests: 4xx with an OpenAI error, and the server goes on
+async function raw(url, path, body) {
+  const r = await fetch(`${url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
+  const j = await r.json();
+  return { status: r.status, j };
+}
+const bads = [
+  [smallUrl, '/v1/completions', '{"prompt": "abc", ', 'malformed JSON'],
+  [smallUrl, '/v1/completions', '[1, 2]', 'not an object'],
+  [smallUrl, '/v1/completions', '{"prompt": 5}', 'prompt of the wrong type'],
+  [smallUrl, '/v1/completions', '{"prompt": "abc", "max_tokens": "ten"}', 'max_tokens of the wrong type'],
+  [smallUrl, '/v1/completions', '{"prompt": "abc", "max_tokens": 0}', 'max_tokens < 1'],
+  [smallUrl, '/v1/completions', '{"prompt": "abc", "temperature": "hot"}', 'temperature of the wrong type'],
+  [smallUrl, '/v1/completions', '{"prompt": "abc", "stream": "yes"}', 'stream of the wrong type'],
+  [smallUrl, '/v1/completions', JSON.stringify({ prompt: Array(5000).fill(1), max_tokens: 4 }), 'prompt over the context'],
+  [smallUrl, '/v1/completions', '{"prompt": "abc", "max_tokens": 100000}', 'max_tokens over the context'],
+  [smallUrl, '/v1/completions', '{"prompt": [1, 2, 1024]}', 'token id out of range'],
+  [smallUrl, '/v1/completions', '{"prompt": [1, -2]}', 'negative token id'],
+  [smallUrl, '/v1/chat/completions', '{"messages": "hi"}', 'messages of the wrong type'],
+  [smallUrl, '/v1/chat/completions', '{"messages": [{"role": "wizard", "content": "x"}]}', 'unknown role'],
+  [tinyUrl, '/v1/completions', '{"prompt": "text without a tokenizer"}', 'text prompt without a tokenizer'],
+  [tinyUrl, '/v1/chat/completions', '{"messages": [{"role": "user", "content": "x"}]}', 'chat without a template'],
+];
+for (const [url, path, body, what] of bads) {
+  const { status, j } = await raw(url, path, body);
+  assert.ok(status >= 400 && status < 500, `${what}: status ${status}`);
+  assert.equal(typeof j.error.message, 'string', what);
+  assert.ok('type' in j.error && 'param' in j.error && 'code' in j.error, what);
+  assert.equal((await health(url)).http, 200, `${what}: the server stopped answering`);
+}
+await assert.rejects(small.completions.create({ model: 'x', prompt: 'abc', max_tokens: 0 }),
+                     (e) => e instanceof OpenAI.APIError && e.status === 400);
+await assert.rejects(tiny.completions.create({ model: 'x', prompt: 'abc' }),
+                     (e) => e instanceof OpenAI.APIError && e.status === 400 && /tokenizer/.test(e.message));
+ok(`${bads.length + 2} bad requests answered 4xx with an OpenAI error; the servers go on`);
+
+// --- the tiny model: ids in, ids out, equal generate's; drafting off here
+{
+  const p = [[5, 6, 7], [9, 9, 9, 9, 9]];
+  const ref = generate(p.flatMap((x) => ['--prompt', x.join(',')]), 16);
+  const r = await tiny.completions.create({ model: 'x', prompt: p, max_tokens: 16, temperature: 0 });
+  for (const c of r.choices) {
+    assert.deepEqual(c.token_ids, ref[c.index]);
+    assert.equal(c.text, '');
+  }
+  ok('tiny model: token ids equal generate');
+}
+
+// --- load test: N requests, 16 at a time, short outputs; none lost
+{
+  const N = Number(process.env.K3_LOAD_REQUESTS || 300), C = 16, maxTokens = 8;
+  let next = 0, done = 0, tokens = 0;
+  const t0 = performance.now();
+  const worker = async () => {
+    for (let i = next++; i < N; i = next++) {
+      const prompt = [1 + (i % 200), 2 + (i % 97), 3 + (i % 13)];
+      const r = await small.completions.create({ model: 'x', prompt, max_tokens: maxTokens, temperature: 0 });
+      const c = r.choices[0];
+      assert.ok(c.token_ids.length >= 1 && c.token_ids.length <= maxTokens && c.finish_reason);
+      tokens += c.token_ids.length;
+      done++;
+    }
+  };
+  await Promise.all(Array.from({ length: C }, worker));
+  const secs = (performance.now() - t0) / 1000;
+  assert.equal(done, N, 'requests lost');
+  const m = await metrics(smallUrl);
+  console.log(`load: ${N} requests, ${C} at a time, ${maxTokens} tokens max: ${secs.toFixed(2)} s, ` +
+              `${(N / secs).toFixed(1)} requests/s, ${(tokens / secs).toFixed(1)} tokens/s; mean batch ` +
+              `${m.k3_batch_size_mean.toFixed(2)}, mean step ${(m.k3_step_seconds_mean * 1000).toFixed(2)} ms, draft ` +
+              `acceptance ${m.k3_draft_acceptance_rate.toFixed(3)}, tokens per decode step ${m.k3_tokens_per_step.toFixed(3)}`);
+  ok('load test lost no request');
+}
+
+// --- drafting happened on the small server (greedy results above equal generate, which does not draft)
+{
+  const m = await metrics(smallUrl);
+  assert.ok(m.k3_draft_accepted_total > 0, 'no draft token was accepted: the drafting comparison is vacuous');
+  ok(`drafting: acceptance ${m.k3_draft_acceptance_rate.toFixed(3)}, tokens per step ${m.k3_tokens_per_step.toFixed(3)}`);
+}
+
+// --- SIGTERM mid-stream: the stream still completes, then the server exits (serve_test.sh checks exit code 0)
+{
+  const stream = await small.completions.create({ model: 'x', prompt: [4, 5, 6], max_tokens: 64, temperature: 0,
+                                                  stream: true, ignore_eos: true });
+  let ids = [], sent = false, finish = null;
+  for await (const chunk of stream) {
+    ids = ids.concat(chunk.choices[0].token_ids);
+    if (chunk.choices[0].finish_reason) finish = chunk.choices[0].finish_reason;
+    if (!sent) { process.kill(Number(smallPid), 'SIGTERM'); sent = true; }
+  }
+  assert.equal(ids.length, 64, 'the stream in flight was cut by the shutdown');
+  assert.equal(finish, 'length');
+  ok('SIGTERM drains the stream in flight');
+}
+console.log(`serve_client: ${checks} checks passed`);
