@@ -8,6 +8,14 @@
 
 namespace k3 {
 
+std::vector<int32_t> Decoder::step_greedy(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
+  const std::vector<float> logits = step(slots, q, tokens);
+  const int64_t V = config().vocab_size, rows = static_cast<int64_t>(slots.size()) * q;
+  std::vector<int32_t> ids(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) ids[r] = ops::sample_greedy(logits.data() + r * V, V);
+  return ids;
+}
+
 namespace {
 
 struct Live {

@@ -51,6 +51,9 @@ class Decoder {
   virtual void release(int slot) = 0;
   // B requests x q tokens -> logits [B q, V] (every rank of the replica calls it alike).
   virtual std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) = 0;
+  // The same step, returning each row's greedy token (argmax, ties to the lower id) [B q] instead of the
+  // logits: on a GPU the logits stay on the device (only B q ids come back). Default: step() + host argmax.
+  virtual std::vector<int32_t> step_greedy(std::span<const int> slots, int q, std::span<const int32_t> tokens);
   // Commits all q tokens of the last step for each slot.
   virtual void commit(std::span<const int> slots, int q) = 0;
   // Commits the first counts[i] (1..q) tokens of the last step for slots[i]: a verify step's accepted prefix

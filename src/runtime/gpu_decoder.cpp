@@ -31,7 +31,7 @@ GpuDecoder::~GpuDecoder() {
   owned_.reset();  // before the context it runs on
 }
 
-std::vector<float> GpuDecoder::step(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
+void GpuDecoder::run(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
   rank_->prepare(slots, q, tokens);  // validates before anything is written
   // Every rank of a replica sees the same rows, so every rank takes the same step.
   last_step_ = choose_step(options_.steps, int64_t{static_cast<int64_t>(slots.size())} * q, q, layout_.tp);
@@ -39,7 +39,16 @@ std::vector<float> GpuDecoder::step(std::span<const int> slots, int q, std::span
     rank_->run_graph(last_step_);
   else
     rank_->enqueue(last_step_);
+}
+
+std::vector<float> GpuDecoder::step(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
+  run(slots, q, tokens);
   return rank_->logits();
+}
+
+std::vector<int32_t> GpuDecoder::step_greedy(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
+  run(slots, q, tokens);
+  return rank_->greedy_ids();
 }
 
 void GpuDecoder::commit(std::span<const int> slots, int q) {

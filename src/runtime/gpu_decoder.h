@@ -40,6 +40,7 @@ class GpuDecoder : public Decoder {
   int admit() override { return rank_->admit(); }
   void release(int slot) override { rank_->release(slot); }
   std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override;
+  std::vector<int32_t> step_greedy(std::span<const int> slots, int q, std::span<const int32_t> tokens) override;
   void commit(std::span<const int> slots, int q) override;
   void commit(std::span<const int> slots, std::span<const int> counts) override;
   void world_sum(float* data, int64_t n) override;
@@ -56,6 +57,7 @@ class GpuDecoder : public Decoder {
   GpuRank* rank_ = nullptr;
   DeviceBuffer staging_;  // world_sum
   StepKind last_step_ = StepKind::Auto;
+  void run(std::span<const int> slots, int q, std::span<const int32_t> tokens);  // prepare + the step
 };
 
 }  // namespace k3

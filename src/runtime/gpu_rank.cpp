@@ -10,6 +10,7 @@
 #include "ops/embedding.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
+#include "ops/sampling.h"
 
 namespace k3 {
 
@@ -60,6 +61,7 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
   d_tables_ = DeviceBuffer(int64_t{o.max_batch} * std::max(max_pages_, 1) * 4);
   d_accepted_ = DeviceBuffer(o.max_batch * 4);
   d_agree_ = DeviceBuffer(256);
+  d_ids_ = DeviceBuffer(R * 4);
   const size_t pinned = static_cast<size_t>(R * 4 * 3 + o.max_batch * 4 * 3 + int64_t{o.max_batch} * max_pages_ * 4);
   CUDA_CHECK(cudaMallocHost(&pinned_, std::max<size_t>(pinned, 256)));
   // Activations.
@@ -191,6 +193,16 @@ std::vector<float> GpuRank::logits() {
   const int64_t n = int64_t{B_} * q_ * c_.vocab_size;
   std::vector<float> out(static_cast<size_t>(n));
   CUDA_CHECK(cudaMemcpyAsync(out.data(), logits_.get(), n * 4, cudaMemcpyDeviceToHost, ctx_.stream));
+  CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
+  return out;
+}
+
+std::vector<int32_t> GpuRank::greedy_ids() {
+  const int64_t rows = int64_t{B_} * q_;
+  std::vector<int32_t> out(static_cast<size_t>(rows));
+  if (rows == 0) return out;
+  K3_LAUNCH(cu::sample_greedy(logits_.get<float>(), rows, c_.vocab_size, d_ids_.get<int32_t>(), ctx_.stream));
+  CUDA_CHECK(cudaMemcpyAsync(out.data(), d_ids_.get(), rows * 4, cudaMemcpyDeviceToHost, ctx_.stream));
   CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
   return out;
 }

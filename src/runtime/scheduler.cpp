@@ -245,6 +245,15 @@ std::vector<int32_t> Scheduler::propose(const Live& r, int k) const {
   return {};
 }
 
+namespace {
+// Every request of a step greedy and without logprobs: the step needs only each row's argmax.
+template <class Live>
+bool all_greedy(const std::vector<Live*>& group) {
+  return std::all_of(group.begin(), group.end(),
+                     [](const Live* r) { return r->req.sampling.greedy && !r->req.logprobs; });
+}
+}  // namespace
+
 bool Scheduler::step_prefill(std::vector<Live*>& group) {
   int q = dec_.max_q();
   for (Live* r : group) q = std::min<int>(q, static_cast<int>(r->req.prompt.size() - r->fed));
@@ -256,7 +265,14 @@ bool Scheduler::step_prefill(std::vector<Live*>& group) {
                   r->req.prompt.begin() + static_cast<int64_t>(r->fed) + q);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<float> logits = dec_.step(slots, q, tokens);
+  // All greedy without logprobs: only the ids come back from the decoder (the logits stay on the device).
+  const bool ids_only = all_greedy(group);
+  std::vector<float> logits;
+  std::vector<int32_t> ids;
+  if (ids_only)
+    ids = dec_.step_greedy(slots, q, tokens);
+  else
+    logits = dec_.step(slots, q, tokens);
   dec_.commit(slots, q);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   {
@@ -274,11 +290,16 @@ bool Scheduler::step_prefill(std::vector<Live*>& group) {
     Live& r = *group[b];
     r.fed += static_cast<size_t>(q);
     if (r.fed < r.req.prompt.size()) continue;
-    const float* row = logits.data() + (static_cast<int64_t>(b) * q + q - 1) * V;
-    const int32_t tok = r.req.sampling.greedy
-                            ? ops::sample_greedy(row, V)
-                            : ops::sample_top_p(row, V, r.req.sampling.temperature, r.req.sampling.top_p, r.rng);
-    append_token(r, tok, r.req.logprobs ? log_prob(row, V, tok) : 0.0f);
+    const int64_t at = static_cast<int64_t>(b) * q + q - 1;
+    if (ids_only) {
+      append_token(r, ids[static_cast<size_t>(at)], 0.0f);
+    } else {
+      const float* row = logits.data() + at * V;
+      const int32_t tok = r.req.sampling.greedy
+                              ? ops::sample_greedy(row, V)
+                              : ops::sample_top_p(row, V, r.req.sampling.temperature, r.req.sampling.top_p, r.rng);
+      append_token(r, tok, r.req.logprobs ? log_prob(row, V, tok) : 0.0f);
+    }
     if (!r.done) emit(r);
   }
   return true;
@@ -310,7 +331,13 @@ bool Scheduler::step_decode(std::vector<Live*>& group) {
     for (int j = 1 + static_cast<int>(drafts[b].size()); j < q; ++j) tokens.push_back(r.out.back());  // padding
   }
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<float> logits = dec_.step(slots, q, tokens);
+  const bool ids_only = all_greedy(group);
+  std::vector<float> logits;
+  std::vector<int32_t> ids;
+  if (ids_only)
+    ids = dec_.step_greedy(slots, q, tokens);
+  else
+    logits = dec_.step(slots, q, tokens);
   const int64_t V = vocab_;
   std::vector<int> counts(group.size(), 1);
   int64_t produced = 0, proposed = 0, accepted = 0;
@@ -322,11 +349,12 @@ bool Scheduler::step_decode(std::vector<Live*>& group) {
     proposed += static_cast<int64_t>(d.size());
     int n = 0;
     for (size_t j = 0; j <= d.size() && !r.done; ++j) {
-      const float* row = logits.data() + (static_cast<int64_t>(b) * q + static_cast<int64_t>(j)) * V;
+      const int64_t at = static_cast<int64_t>(b) * q + static_cast<int64_t>(j);
+      const float* row = ids_only ? nullptr : logits.data() + at * V;
       int32_t tok;
       bool take_draft = false;
       if (sp.greedy) {
-        tok = ops::sample_greedy(row, V);
+        tok = ids_only ? ids[static_cast<size_t>(at)] : ops::sample_greedy(row, V);
         take_draft = j < d.size() && tok == d[j];
       } else if (j == d.size()) {
         tok = ops::sample_top_p(row, V, sp.temperature, sp.top_p, r.rng);
