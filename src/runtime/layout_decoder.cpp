@@ -1,7 +1,10 @@
 // LayoutDecoder (runtime/layout_decoder.h): a layout's rank threads behind one Decoder.
 #include "runtime/layout_decoder.h"
 
+#include <pthread.h>
+
 #include <algorithm>
+#include <csignal>
 #include <cstring>
 
 #include "runtime/cluster.h"
@@ -55,6 +58,12 @@ void LayoutDecoder::shutdown() {
 }
 
 void LayoutDecoder::loop(int w) {
+  // Asynchronous signals (SIGINT, SIGTERM, ...) are never delivered to a rank thread: a server's signal thread
+  // (cli/serve.cpp blocks them after the decoder exists) must be the one that receives them.
+  sigset_t sigs;
+  sigfillset(&sigs);
+  for (int s : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT, SIGTRAP}) sigdelset(&sigs, s);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   uint64_t seen = 0;
   for (;;) {
     const std::function<void(int, Decoder&)>* cmd = nullptr;

@@ -23,7 +23,8 @@
 // exception is rethrown to the caller after every rank finished the command
 // (the Engine / GpuRank agree on their input over the world, so all ranks of a
 // bad step raise together and none waits in a collective); the facade stays
-// usable. One caller at a time (calls are serialised).
+// usable. One caller at a time (calls are serialised). The rank threads block asynchronous signals (a
+// process-directed SIGTERM goes to a thread that waits for it).
 #pragma once
 
 #include <condition_variable>
