@@ -20,6 +20,7 @@
 #include "ops/sampling.h"
 #include "runtime/cluster.h"
 #include "runtime/generate.h"
+#include "runtime/layout_decoder.h"
 #include "cli/serve.h"
 #ifdef K3_MPI
 #include "comm/mpi.h"
@@ -163,7 +164,8 @@ int main(int argc, char** argv) {
   SchedulerOptions sched_opts;
   CacheOptions scache;
   scache.max_context = 4096;
-  std::string sstep = "auto", sdevice = "cpu";
+  std::string sstep = "auto", sdevice = "cpu", scomm = "local";
+  Layout slayout;
   auto* srv = app.add_subcommand("serve", "an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                                           "/v1/models, /health, /metrics)");
   add_model_args(srv, sm);
@@ -178,7 +180,14 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   srv->add_option("--ngram", sched_opts.ngram_max, "longest suffix matched by the drafter")->capture_default_str();
   srv->add_option("--step", sstep, "decode step: auto | stock | hybrid")->capture_default_str();
-  srv->add_option("--device", sdevice, "cpu | gpu (one GPU; CUDA builds)")->capture_default_str();
+  srv->add_option("--device", sdevice, "cpu | gpu (one GPU; with --tp/--dp every rank on it; CUDA builds)")->capture_default_str();
+  srv->add_option("--tp", slayout.tp, "tensor-parallel group size G (ranks as threads of the server)")
+      ->capture_default_str();
+  srv->add_option("--dp", slayout.dp, "data-parallel replicas (--max-slots each; requests go to the freest)")
+      ->capture_default_str();
+  srv->add_option("--dcp", slayout.dcp, "decode context parallel size inside the TP group")->capture_default_str();
+  srv->add_option("--comm", scomm, "collectives: local (ranks as threads; the only one serve supports)")
+      ->capture_default_str();
   srv->add_option("--served-model-name", so.model_name, "the model id in responses (default: the directory name)");
 
 #ifdef K3_CUDA
@@ -347,6 +356,9 @@ int main(int argc, char** argv) {
       K3_CHECK(sstep == "auto" || sstep == "stock" || sstep == "hybrid", "--step {}: expected auto | stock | hybrid",
                sstep);
       K3_CHECK(sdevice == "cpu" || sdevice == "gpu", "--device {}: expected cpu | gpu", sdevice);
+      K3_CHECK(scomm == "local", "serve --comm {}: serve runs every rank as a thread of the server process (--comm "
+               "local); a process per rank (mpi / nccl, rank 0 broadcasting the step plan) is not implemented", scomm);
+      slayout.validate();
       const StepKind kind = sstep == "stock" ? StepKind::Stock : sstep == "hybrid" ? StepKind::Hybrid : StepKind::Auto;
       auto [src, config] = open_model(sm);
       std::optional<Tokenizer> tok;
@@ -365,14 +377,24 @@ int main(int argc, char** argv) {
         go.max_context = scache.max_context;
         go.page_size = scache.page_size;
         go.steps = StepOptions{kind, EngineOptions{}.moe_capacity};
-        GpuDecoder decoder(*src, config, go);
-        return serve(decoder, std::move(tok), sched_opts, so);
+        if (slayout.world() == 1) {
+          GpuDecoder decoder(*src, config, go);
+          return serve(decoder, std::move(tok), sched_opts, so);
+        }
+        LocalGpuCluster cluster(*src, config, go, slayout);
+        auto decoder = make_layout_decoder(cluster, config, go);
+        return serve(*decoder, std::move(tok), sched_opts, so);
 #else
         fail("--device gpu: this build has no CUDA backend (build with nvcc present)");
 #endif
       }
       EngineOptions eo(scache);
       eo.step = kind;
+      if (slayout.world() > 1) {
+        LocalCluster cluster(src, config, eo, slayout);
+        auto decoder = make_layout_decoder(cluster);
+        return serve(*decoder, std::move(tok), sched_opts, so);
+      }
       Engine engine(src, config, eo);
       EngineDecoder decoder(engine);
       return serve(decoder, std::move(tok), sched_opts, so);

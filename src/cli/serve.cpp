@@ -665,9 +665,11 @@ int serve(Decoder& decoder, std::optional<Tokenizer> tokenizer, const SchedulerO
     }
     http.stop();
   });
-  std::cerr << fmt::format("k3decode serve: listening on http://{}:{} (model {}, {} slots, tokenizer {}, chat {})\n",
+  const Layout& L = decoder.layout();
+  std::cerr << fmt::format("k3decode serve: listening on http://{}:{} (model {}, {} slots, tokenizer {}, chat {}, "
+                           "layout tp {} dp {} dcp {})\n",
                            options.host, port, options.model_name, decoder.max_slots(), s.tok ? "yes" : "no",
-                           s.tok && s.has_chat() ? "yes" : "no")
+                           s.tok && s.has_chat() ? "yes" : "no", L.tp, L.dp, L.dcp)
             << std::flush;
   const bool ok = http.listen_after_bind();
   sched.stop();  // drains whatever is still queued

@@ -37,7 +37,8 @@ struct GenerateResult {
   int64_t positions = 0;
 };
 
-// What generate() drives: one rank of a layout (the CPU Engine, or a GpuRank through runtime/gpu_decoder.h).
+// What generate() drives: one rank of a layout (the CPU Engine, or a GpuRank through runtime/gpu_decoder.h);
+// what the Scheduler drives: a Decoder that is the whole world (one rank, or runtime/layout_decoder.h).
 class Decoder {
  public:
   virtual ~Decoder() = default;
@@ -61,6 +62,9 @@ class Decoder {
   virtual void commit(std::span<const int> slots, std::span<const int> counts) = 0;
   // Sum over the world's ranks of host floats (identity on one rank).
   virtual void world_sum(float* data, int64_t n) = 0;
+  // True when one caller drives every rank of the layout through this object (one rank, or a LayoutDecoder,
+  // runtime/layout_decoder.h): the Scheduler needs it.
+  virtual bool whole_world() const { return layout().world() == 1; }
 };
 
 // The CPU Engine as a Decoder (generate, the Scheduler).

@@ -3,6 +3,8 @@
 
 #include "comm/local_gpu.h"
 #include "comm/thread_groups.h"
+#include "runtime/gpu_decoder.h"
+#include "runtime/layout_decoder.h"
 
 namespace k3 {
 
@@ -42,6 +44,17 @@ void LocalGpuCluster::run(const std::function<void(int, GpuRank&)>& fn) {
     CUDA_CHECK(cudaSetDevice(device_));
     fn(w, *ranks_[w]);
   });
+}
+
+std::unique_ptr<LayoutDecoder> make_layout_decoder(LocalGpuCluster& cluster, const ModelConfig& config,
+                                                   const GpuRankOptions& options) {
+  std::vector<std::unique_ptr<Decoder>> ranks;
+  const Layout& L = cluster.layout();
+  for (int w = 0; w < L.world(); ++w)
+    ranks.push_back(std::make_unique<GpuDecoder>(cluster.rank(w), config, options, L, w, *cluster.groups(w).world,
+                                                 /*graphs=*/false));
+  const int device = cluster.device();
+  return std::make_unique<LayoutDecoder>(std::move(ranks), [device](int) { CUDA_CHECK(cudaSetDevice(device)); });
 }
 
 }  // namespace k3

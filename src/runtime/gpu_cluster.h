@@ -34,6 +34,7 @@ class LocalGpuCluster {
 
   const Layout& layout() const { return layout_; }
   GpuRank& rank(int world_rank) { return *ranks_.at(world_rank); }
+  int device() const { return device_; }
   RankGroups& groups(int world_rank) { return groups_.at(world_rank); }
   void run(const std::function<void(int, GpuRank&)>& fn);
 
@@ -44,5 +45,12 @@ class LocalGpuCluster {
   std::vector<RankGroups> groups_;
   std::vector<std::unique_ptr<GpuRank>> ranks_;
 };
+
+class LayoutDecoder;
+// Every rank of `cluster` as a GpuDecoder (eager steps) behind one LayoutDecoder (runtime/layout_decoder.h: the
+// Scheduler's decoder for `serve --device gpu --tp/--dp`); each rank thread runs on the cluster's device. `options`:
+// the cluster's. The cluster outlives the decoder.
+std::unique_ptr<LayoutDecoder> make_layout_decoder(LocalGpuCluster& cluster, const ModelConfig& config,
+                                                   const GpuRankOptions& options);
 
 }  // namespace k3

@@ -84,8 +84,8 @@ int32_t draw(const std::vector<double>& p, Rng& rng) {
 }  // namespace
 
 Scheduler::Scheduler(Decoder& decoder, const SchedulerOptions& options) : dec_(decoder), opts_(options) {
-  K3_CHECK(dec_.layout().world() == 1, "scheduler: one rank only (a layout of {} ranks needs the step plan "
-           "broadcast to every rank)", dec_.layout().world());
+  K3_CHECK(dec_.whole_world(), "scheduler: the decoder is one rank of a layout of {} ranks; drive the whole "
+           "layout through one LayoutDecoder (runtime/layout_decoder.h)", dec_.layout().world());
   K3_CHECK(opts_.max_queue >= 0, "scheduler: max_queue {} must be >= 0", opts_.max_queue);
   K3_CHECK(opts_.draft_tokens >= 0, "scheduler: draft_tokens {} must be >= 0", opts_.draft_tokens);
   K3_CHECK(opts_.ngram_min >= 1 && opts_.ngram_max >= opts_.ngram_min, "scheduler: n-gram sizes {}..{} invalid",

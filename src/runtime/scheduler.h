@@ -39,7 +39,8 @@
 // Admission: a request is refused (SubmitError) when it can never run (empty
 // prompt, token id outside the vocabulary, prompt + max_tokens - 1 over the
 // context, bad sampling parameters) or when the wait queue is full; otherwise
-// it waits for a slot. One DP replica of one rank (layout().world() == 1).
+// it waits for a slot. The Decoder is the whole world: one rank, or a layout's ranks as threads behind a
+// LayoutDecoder (runtime/layout_decoder.h: DP replicas' slots are its slots).
 #pragma once
 
 #include <chrono>

@@ -69,7 +69,7 @@ void agree_on_input(const std::function<void()>& validate, const std::function<v
   if (world_sum) {
     float bad = error.empty() ? 0.0f : 1.0f;
     world_sum(&bad);
-    if (bad > 0 && error.empty()) error = "step: aborted because another rank rejected its input";
+    if (bad > 0 && error.empty()) throw PeerRejectedInput();
   }
   if (!error.empty()) throw Error(error);
 }

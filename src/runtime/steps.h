@@ -69,7 +69,12 @@ StepKind choose_step(const StepOptions& o, int64_t rows, int q, int G);
 // Runs `validate`; on a multi-rank layout (world_sum given) the ranks then agree
 // with one 4-byte world sum, so an input that one rank rejects raises an Error
 // on every rank and none is left waiting in a collective.
+// A rank whose own input was fine raises PeerRejectedInput (the rejecting ranks raise their own Error).
 void agree_on_input(const std::function<void()>& validate, const std::function<void(float*)>& world_sum);
+class PeerRejectedInput : public Error {
+ public:
+  PeerRejectedInput() : Error("step: aborted because another rank rejected its input") {}
+};
 
 class StockStep {
  public:

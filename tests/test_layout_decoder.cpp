@@ -1,0 +1,326 @@
+// LayoutDecoder (runtime/layout_decoder.h): a layout's ranks as threads behind one Decoder, driven by the Scheduler.
+//   LayoutScheduler   greedy tokens of staggered requests (more than the slots, drafting off and on) equal
+//                     generate() on the same layout (LocalCluster), bit for bit, and the single rank's within the
+//                     near-tie rule (tests/test_parallel.cpp)
+//   LayoutDecoder     the slot mapping (replica p's slot s = p * slots_per_replica + s), the logits' order, idle
+//                     replicas, errors (the facade stays usable), the Scheduler's refusal of one rank of a layout
+// A watchdog ends the process if the rank threads do not finish (a hang is a failure).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "io/synthetic.h"
+#include "runtime/cluster.h"
+#include "runtime/layout_decoder.h"
+#include "runtime/scheduler.h"
+
+namespace {
+
+using namespace k3;
+
+struct Model {
+  ModelConfig config;
+  std::shared_ptr<const TensorSource> src;
+};
+
+const Model& model(const std::string& variant) {
+  static std::map<std::string, Model> cache;
+  auto it = cache.find(variant);
+  if (it == cache.end()) {
+    ModelConfig c = preset_config("tiny", variant);
+    it = cache.emplace(variant, Model{c, make_synthetic(c, 3)}).first;
+  }
+  return it->second;
+}
+
+EngineOptions opts(int slots, int64_t context = 64, int max_q = 4) {
+  CacheOptions c;
+  c.max_slots = slots;
+  c.max_context = context;
+  c.max_q = max_q;
+  c.page_size = 4;  // requests span several pages; with DCP a page holds 4 of a rank's positions
+  return EngineOptions(c);
+}
+
+std::string name(const Layout& L) {
+  return "tp" + std::to_string(L.tp) + "_dp" + std::to_string(L.dp) + "_dcp" + std::to_string(L.dcp);
+}
+
+// Ends the process when a test body does not finish in time (a rank left waiting in a collective).
+class Watchdog {
+ public:
+  explicit Watchdog(int seconds = 600) {
+    t_ = std::thread([this, seconds] {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!cv_.wait_for(lock, std::chrono::seconds(seconds), [&] { return done_; })) {
+        std::fprintf(stderr, "test_layout_decoder: still running after %d s (a rank is stuck in a collective)\n",
+                     seconds);
+        std::fflush(stderr);
+        std::_Exit(3);
+      }
+    });
+  }
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    t_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread t_;
+};
+
+std::vector<std::vector<int32_t>> prompts() {
+  // Lengths 1..13 (several prefill chunks of max_q 4), some repetitive (drafts have something to match).
+  std::vector<std::vector<int32_t>> p = {{1, 2, 3}, {7}, {5, 6, 7, 8, 9, 10, 11, 12, 13}};
+  p.push_back({});
+  for (int i = 0; i < 13; ++i) p.back().push_back(static_cast<int32_t>((i * 37 + 11) % 250));
+  p.push_back({100, 101, 102, 103, 100, 101, 102, 103, 100, 101});
+  p.push_back({40, 41, 42, 40, 41, 42, 40});
+  p.push_back({200, 17, 3, 99, 45});
+  return p;
+}
+
+// generate() of every prompt on `L` (ranks as threads): rank 0's results (every rank assembles them all).
+std::vector<GenerateResult> generate_on(const Model& m, const Layout& L, const std::vector<std::vector<int32_t>>& ps,
+                                        int max_new, bool keep_logits = false) {
+  LocalCluster cluster(m.src, m.config, opts(static_cast<int>(ps.size())), L);
+  std::vector<std::vector<GenerateResult>> per_rank(static_cast<size_t>(L.world()));
+  SamplingParams sp;
+  cluster.run([&](int w, Engine& e) { per_rank[w] = generate(e, ps, max_new, sp, keep_logits); });
+  return per_rank[0];
+}
+
+// Tokens that differ from the single rank's must start at a near-tie of the single rank's logits (test_parallel.cpp's
+// worst-row bounds: 0.03 of the row's spread for K3, 0.15 for K3.1's DSA top-k near-ties).
+void expect_single_rank_or_near_tie(const Model& m, const std::vector<int32_t>& prompt,
+                                    const std::vector<int32_t>& got, int max_new, const std::string& what) {
+  Engine single(m.src, m.config, opts(1));
+  const GenerateResult want = generate(single, {prompt}, max_new, SamplingParams{}, true)[0];
+  size_t same = 0;
+  while (same < got.size() && same < want.tokens.size() && got[same] == want.tokens[same]) ++same;
+  if (same == got.size() && same == want.tokens.size()) return;
+  ASSERT_LT(same, got.size()) << what << ": " << got.size() << " tokens for the single rank's " << want.tokens.size();
+  ASSERT_LT(same, want.tokens.size()) << what << ": " << got.size() << " tokens for " << want.tokens.size();
+  const int64_t V = m.config.vocab_size;
+  const int64_t row = static_cast<int64_t>(prompt.size() + same) - 1;
+  const float* w = want.logits.data() + row * V;
+  const auto [lo, hi] = std::minmax_element(w, w + V);
+  const double margin = std::fabs(double(w[want.tokens[same]]) - w[got[same]]) / (*hi - *lo);
+  std::printf("[ layout ] %s: diverges from the single rank at token %zu, margin %.4f of the spread\n", what.c_str(),
+              same, margin);
+  EXPECT_LT(margin, m.config.is_dsa() ? 0.15 : 0.03) << what << ": token " << same << " single rank "
+                                                     << want.tokens[same] << ", layout " << got[same];
+}
+
+struct Outcome {
+  std::vector<int32_t> tokens;
+  FinishReason reason = FinishReason::None;
+};
+
+// The Scheduler over a LayoutDecoder over a LocalCluster.
+struct Harness {
+  LocalCluster cluster;
+  std::unique_ptr<LayoutDecoder> dec;
+  Scheduler sched;
+  std::map<int64_t, std::unique_ptr<Outcome>> out;
+  Harness(const Model& m, const Layout& L, int slots_per_replica, const SchedulerOptions& so)
+      : cluster(m.src, m.config, opts(slots_per_replica), L), dec(make_layout_decoder(cluster)), sched(*dec, so) {}
+  int64_t submit(std::vector<int32_t> prompt, int max_tokens) {
+    Request r;
+    r.prompt = std::move(prompt);
+    r.max_tokens = max_tokens;
+    auto box = std::make_unique<Outcome>();
+    Outcome* b = box.get();
+    const int64_t id = sched.submit(std::move(r), [b](const RequestEvent& ev) {
+      b->tokens.insert(b->tokens.end(), ev.tokens.begin(), ev.tokens.end());
+      if (ev.done) b->reason = ev.reason;
+    });
+    out[id] = std::move(box);
+    return id;
+  }
+  void drain() {
+    for (int guard = 0; guard < 100000 && sched.iterate(); ++guard) {
+    }
+  }
+};
+
+class LayoutScheduler : public ::testing::TestWithParam<std::tuple<std::string, Layout>> {};
+
+TEST_P(LayoutScheduler, GreedyTokensEqualGenerateOnTheSameLayout) {
+  Watchdog dog;
+  const auto& [variant, L] = GetParam();
+  const Model& m = model(variant);
+  const auto ps = prompts();
+  const int max_new = 24;
+  const std::vector<GenerateResult> ref = generate_on(m, L, ps, max_new);
+  for (size_t i = 0; i < ps.size(); ++i)
+    expect_single_rank_or_near_tie(m, ps[i], ref[i].tokens, max_new,
+                                   variant + " " + name(L) + " generate request " + std::to_string(i));
+  for (int draft : {0, 3}) {
+    SCOPED_TRACE(variant + " " + name(L) + " draft " + std::to_string(draft));
+    SchedulerOptions so;
+    so.draft_tokens = draft;
+    Harness h(m, L, 2, so);  // 2 slots per replica: fewer than the requests, which wait
+    EXPECT_EQ(h.dec->max_slots(), 2 * L.dp);
+    std::vector<int64_t> ids;
+    int most_running = 0;
+    for (size_t i = 0; i < ps.size(); ++i) {
+      ids.push_back(h.submit(ps[i], max_new));
+      if (i % 2 == 1) {  // arrivals while others run
+        h.sched.iterate();
+        most_running = std::max<int>(most_running, static_cast<int>(h.sched.metrics().running));
+      }
+    }
+    h.drain();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      EXPECT_EQ(h.out.at(ids[i])->tokens, ref[i].tokens) << "request " << i;
+      EXPECT_NE(h.out.at(ids[i])->reason, FinishReason::None) << "request " << i;
+    }
+    const SchedulerMetrics m2 = h.sched.metrics();
+    EXPECT_EQ(m2.requests_finished, static_cast<int64_t>(ps.size()));
+    EXPECT_EQ(m2.free_slots, 2 * L.dp);
+    EXPECT_GT(m2.batch_requests, m2.steps);  // some steps batched several requests
+    if (L.dp > 1) EXPECT_GT(most_running, 2) << "the requests never spread over both replicas";
+    if (draft > 0) EXPECT_GT(m2.draft_accepted, 0) << "drafting accepted nothing: the comparison is vacuous";
+    for (int p = 0; p < L.dp; ++p) EXPECT_EQ(h.dec->free_slots(p), 2) << "replica " << p;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, LayoutScheduler,
+                         ::testing::Combine(::testing::Values("k3", "k3.1"),
+                                            ::testing::Values(Layout{2, 1, 1}, Layout{2, 2, 1}, Layout{2, 2, 2})),
+                         [](const auto& info) {
+                           std::string v = std::get<0>(info.param);
+                           std::replace(v.begin(), v.end(), '.', '_');
+                           return v + "_" + name(std::get<1>(info.param));
+                         });
+
+bool bit_equal(const std::vector<float>& a, const float* b, size_t n) {
+  return a.size() == n && std::memcmp(a.data(), b, n * sizeof(float)) == 0;
+}
+
+// Slot mapping, the logits' order and idle replicas against generate() of each prompt alone on the same layout
+// (its logits: the prompt's positions, then the first generated token fed back): each prompt fed by itself (the other
+// replica idle, B = 0), then one decode step of both given in the order (replica 1, replica 0).
+TEST(LayoutDecoder, SlotMappingOrderAndIdleReplicas) {
+  Watchdog dog;
+  const Model& m = model("k3");
+  const Layout L{2, 2, 1};
+  const int64_t V = m.config.vocab_size;
+  const std::vector<int32_t> pa = {5, 17, 200, 3}, pb = {9, 8, 60};
+  const auto ra = generate_on(m, L, {pa}, 2, true)[0];
+  const auto rb = generate_on(m, L, {pb}, 2, true)[0];
+  ASSERT_EQ(ra.logits.size(), (pa.size() + 1) * V);
+  ASSERT_EQ(rb.logits.size(), (pb.size() + 1) * V);
+  LocalCluster cluster(m.src, m.config, opts(3), L);
+  auto dec = make_layout_decoder(cluster);
+  EXPECT_EQ(dec->slots_per_replica(), 3);
+  EXPECT_EQ(dec->max_slots(), 6);
+  EXPECT_TRUE(dec->whole_world());
+  // The replica with the most free slots, ties to the lowest.
+  const int a = dec->admit(), b = dec->admit(), c = dec->admit();
+  EXPECT_EQ(a, 0);
+  EXPECT_EQ(b, 3);
+  EXPECT_EQ(c, 1);
+  EXPECT_EQ(dec->replica_of(b), 1);
+  EXPECT_EQ(dec->free_slots(0), 1);
+  EXPECT_EQ(dec->free_slots(1), 2);
+  dec->release(c);
+  EXPECT_EQ(dec->free_slots(0), 2);
+  const std::vector<float> lb = dec->step(std::vector<int>{b}, 3, pb);
+  dec->commit(std::vector<int>{b}, 3);
+  EXPECT_TRUE(bit_equal(lb, rb.logits.data(), pb.size() * V)) << "replica 1 alone (replica 0 idle)";
+  const std::vector<float> la = dec->step(std::vector<int>{a}, 4, pa);
+  dec->commit(std::vector<int>{a}, 4);
+  EXPECT_TRUE(bit_equal(la, ra.logits.data(), pa.size() * V)) << "replica 0 alone (replica 1 idle)";
+  const std::vector<float> both =
+      dec->step(std::vector<int>{b, a}, 1, std::vector<int32_t>{rb.tokens[0], ra.tokens[0]});
+  dec->commit(std::vector<int>{b, a}, 1);
+  ASSERT_EQ(both.size(), static_cast<size_t>(2 * V));
+  const std::vector<float> row_b(both.begin(), both.begin() + V), row_a(both.begin() + V, both.end());
+  EXPECT_TRUE(bit_equal(row_b, rb.logits.data() + pb.size() * V, static_cast<size_t>(V))) << "row 0 is slot b's";
+  EXPECT_TRUE(bit_equal(row_a, ra.logits.data() + pa.size() * V, static_cast<size_t>(V))) << "row 1 is slot a's";
+  EXPECT_FALSE(bit_equal(row_a, row_b.data(), static_cast<size_t>(V))) << "the rows must differ for the test to bite";
+}
+
+template <class F>
+void expect_error(F&& fn, const std::string& part) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one naming \"" << part << "\"";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+// Errors: facade input refused before any rank is called; a rank's error (a token outside the vocabulary, raised by
+// every rank together) rethrown after all finished; the facade goes on serving with unchanged results.
+TEST(LayoutDecoder, ErrorsLeaveItUsable) {
+  Watchdog dog;
+  const Model& m = model("k3");
+  const Layout L{2, 2, 1};
+  const std::vector<int32_t> pa = {5, 17, 200, 3};
+  const auto ra = generate_on(m, L, {pa}, 1, true)[0];
+  LocalCluster cluster(m.src, m.config, opts(1), L);
+  auto dec = make_layout_decoder(cluster);
+  const int a = dec->admit(), b = dec->admit();
+  EXPECT_EQ(b, 1);
+  expect_error([&] { dec->admit(); }, "taken");
+  expect_error([&] { dec->step(std::vector<int>{7}, 1, std::vector<int32_t>{1}); }, "outside");
+  expect_error([&] { dec->step(std::vector<int>{a}, 2, std::vector<int32_t>{1}); }, "tokens");
+  const int32_t bad = static_cast<int32_t>(m.config.vocab_size);
+  expect_error([&] { dec->step(std::vector<int>{a, b}, 1, std::vector<int32_t>{1, bad}); }, "token id");
+  expect_error([&] { dec->step(std::vector<int>{b}, 1, std::vector<int32_t>{-1}); }, "token id");
+  dec->release(b);
+  expect_error([&] { dec->release(b); }, "not admitted");
+  expect_error([&] { dec->step(std::vector<int>{b}, 1, std::vector<int32_t>{1}); }, "not admitted");
+  std::vector<float> la = dec->step(std::vector<int>{a}, 4, pa);
+  dec->commit(std::vector<int>{a}, 4);
+  EXPECT_TRUE(bit_equal(la, ra.logits.data(), ra.logits.size())) << "after the errors";
+  EXPECT_EQ(dec->admit(), 1);
+}
+
+// The Scheduler on a facade refuses a bad request and keeps serving the others with generate()'s tokens; it refuses
+// to drive one rank of a multi-rank layout.
+TEST(LayoutDecoder, SchedulerRefusesABadRequestAndKeepsServing) {
+  Watchdog dog;
+  const Model& m = model("k3");
+  const Layout L{2, 2, 1};
+  const auto ps = prompts();
+  const std::vector<std::vector<int32_t>> some(ps.begin(), ps.begin() + 3);
+  const auto ref = generate_on(m, L, some, 8);
+  Harness h(m, L, 2, {});
+  const int64_t i0 = h.submit(some[0], 8);
+  EXPECT_THROW(h.submit({1, static_cast<int32_t>(m.config.vocab_size)}, 4), SubmitError);
+  h.sched.iterate();
+  const int64_t i1 = h.submit(some[1], 8);
+  const int64_t i2 = h.submit(some[2], 8);
+  h.drain();
+  EXPECT_EQ(h.out.at(i0)->tokens, ref[0].tokens);
+  EXPECT_EQ(h.out.at(i1)->tokens, ref[1].tokens);
+  EXPECT_EQ(h.out.at(i2)->tokens, ref[2].tokens);
+  EXPECT_EQ(h.sched.metrics().requests_rejected, 1);
+
+  EngineDecoder one_rank(h.cluster.engine(0));
+  EXPECT_FALSE(one_rank.whole_world());
+  expect_error([&] { Scheduler s(one_rank); }, "LayoutDecoder");
+}
+
+}  // namespace
