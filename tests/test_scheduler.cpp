@@ -59,14 +59,15 @@ struct Harness {
   Harness(const ModelConfig& c, const EngineOptions& o, const SchedulerOptions& so, const std::string& variant = "k3")
       : engine(model(variant).src, c, o), dec(engine), sched(dec, so) {}
   int64_t submit(Request r) {
-    auto* box = new Outcome;  // owned by out once the id is known
+    auto owned = std::make_unique<Outcome>();  // kept in `pending` once the id is known (freed if refused)
+    Outcome* box = owned.get();
     int64_t id = sched.submit(std::move(r), [box](const RequestEvent& ev) {
       box->tokens.insert(box->tokens.end(), ev.tokens.begin(), ev.tokens.end());
       box->logprobs.insert(box->logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
       ++box->events;
       if (ev.done) box->reason = ev.reason;
     });
-    pending[id] = std::unique_ptr<Outcome>(box);
+    pending[id] = std::move(owned);
     return id;
   }
   void drain() {

@@ -578,11 +578,11 @@ int serve(Decoder& decoder, std::optional<Tokenizer> tokenizer, const SchedulerO
                                                : std::max(64, 2 * (decoder.max_slots() + sched_opts.max_queue) + 16);
   http.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
   http.set_payload_max_length(16 << 20);
-  // A loaded machine can stall a client for seconds between connecting and sending its request, or while
-  // it reads a stream: httplib's 5 s read / write timeouts then close the connection under it ("socket
-  // hang up"). Slow peers get 300 s; idle keep-alive connections keep httplib's 5 s, which bounds how long
-  // a drain waits for them.
-  http.set_keep_alive_max_count(100000);
+  // One request per connection (the response says Connection: close). A kept-alive connection that the
+  // server closes when idle races a client sending on it ("socket hang up" on a loaded machine), and idle
+  // connections would hold a drain back. A loaded machine can also stall a peer for seconds: httplib's
+  // 5 s read / write timeouts would cut it, so slow peers get 300 s.
+  http.set_keep_alive_max_count(1);
   http.set_read_timeout(300, 0);
   http.set_write_timeout(300, 0);
   auto guarded = [&s](auto fn) {
