@@ -245,14 +245,17 @@ std::vector<int32_t> Scheduler::propose(const Live& r, int k) const {
   return {};
 }
 
-namespace {
-// Every request of a step greedy and without logprobs: the step needs only each row's argmax.
-template <class Live>
-bool all_greedy(const std::vector<Live*>& group) {
-  return std::all_of(group.begin(), group.end(),
-                     [](const Live* r) { return r->req.sampling.greedy && !r->req.logprobs; });
+Scheduler::StepRows Scheduler::run_step(const std::vector<Live*>& group, const std::vector<int>& slots, int q,
+                                         const std::vector<int32_t>& tokens) {
+  StepRows out;
+  const bool greedy = std::all_of(group.begin(), group.end(),
+                                  [](const Live* r) { return r->req.sampling.greedy && !r->req.logprobs; });
+  if (greedy && !group.empty())
+    out.ids = dec_.step_greedy(slots, q, tokens);
+  else
+    out.logits = dec_.step(slots, q, tokens);
+  return out;
 }
-}  // namespace
 
 bool Scheduler::step_prefill(std::vector<Live*>& group) {
   int q = dec_.max_q();
@@ -265,14 +268,10 @@ bool Scheduler::step_prefill(std::vector<Live*>& group) {
                   r->req.prompt.begin() + static_cast<int64_t>(r->fed) + q);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  // All greedy without logprobs: only the ids come back from the decoder (the logits stay on the device).
-  const bool ids_only = all_greedy(group);
-  std::vector<float> logits;
-  std::vector<int32_t> ids;
-  if (ids_only)
-    ids = dec_.step_greedy(slots, q, tokens);
-  else
-    logits = dec_.step(slots, q, tokens);
+  const StepRows out = run_step(group, slots, q, tokens);
+  const bool ids_only = !out.ids.empty();
+  const std::vector<float>& logits = out.logits;
+  const std::vector<int32_t>& ids = out.ids;
   dec_.commit(slots, q);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   {
@@ -331,13 +330,10 @@ bool Scheduler::step_decode(std::vector<Live*>& group) {
     for (int j = 1 + static_cast<int>(drafts[b].size()); j < q; ++j) tokens.push_back(r.out.back());  // padding
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const bool ids_only = all_greedy(group);
-  std::vector<float> logits;
-  std::vector<int32_t> ids;
-  if (ids_only)
-    ids = dec_.step_greedy(slots, q, tokens);
-  else
-    logits = dec_.step(slots, q, tokens);
+  const StepRows out = run_step(group, slots, q, tokens);
+  const bool ids_only = !out.ids.empty();
+  const std::vector<float>& logits = out.logits;
+  const std::vector<int32_t>& ids = out.ids;
   const int64_t V = vocab_;
   std::vector<int> counts(group.size(), 1);
   int64_t produced = 0, proposed = 0, accepted = 0;

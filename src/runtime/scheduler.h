@@ -140,6 +140,14 @@ class Scheduler {
   void emit(Live& r);  // the new tokens no stop sequence may still claim
   void reap();         // releases the slots of finished requests
   void append_token(Live& r, int32_t tok, float logprob);
+  // A step's output: each row's argmax only (ids) when every request of the group is greedy without
+  // logprobs (on a GPU the logits stay on the device), else the logits [B q, V].
+  struct StepRows {
+    std::vector<float> logits;
+    std::vector<int32_t> ids;
+  };
+  StepRows run_step(const std::vector<Live*>& group, const std::vector<int>& slots, int q,
+                    const std::vector<int32_t>& tokens);
   bool step_prefill(std::vector<Live*>& group);
   bool step_decode(std::vector<Live*>& group);
   std::vector<int32_t> propose(const Live& r, int k) const;

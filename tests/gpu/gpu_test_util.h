@@ -77,4 +77,12 @@ inline void expect_close(const std::vector<float>& got, const std::vector<float>
                                       << want[worst] << " (scale " << scale << ")";
 }
 
+// A launcher's status (0 = cudaSuccess), asserted.
+#define K3_CU(expr) ASSERT_EQ(static_cast<int>(expr), 0) << #expr
+
+// Tolerances of the op tests, in bf16 ulps relative to the top of a value's binade.
+constexpr double kBf16Ulp = 1.0 / 128;
+constexpr double kOneRounding = kBf16Ulp;   // one BF16 rounding apart
+constexpr double kChained = 2 * kBf16Ulp;   // two chained roundings
+
 }  // namespace k3::gputest

@@ -18,15 +18,8 @@
 namespace k3 {
 namespace {
 
-using gputest::ctx;
-using gputest::download;
-using gputest::expect_close;
-using gputest::random_bf16_values;
-using gputest::to_bf16_vec;
-using gputest::to_float_vec;
-using gputest::upload;
+using namespace gputest;
 
-#define K3_CU(expr) ASSERT_EQ(static_cast<int>(expr), 0) << #expr
 
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 

@@ -18,12 +18,8 @@
 namespace k3 {
 namespace {
 
-using gputest::download;
-using gputest::to_bf16_vec;
-using gputest::to_float_vec;
-using gputest::upload;
+using namespace gputest;
 
-#define K3_CU(expr) ASSERT_EQ(static_cast<int>(expr), 0) << #expr
 
 // Values whose FP32 sum depends on the order (1e4-scale and 1e-3-scale mixed).
 std::vector<float> mixed(size_t n, uint64_t seed) {

@@ -21,17 +21,8 @@
 namespace k3 {
 namespace {
 
-using gputest::ctx;
-using gputest::download;
-using gputest::expect_close;
-using gputest::random_bf16_values;
-using gputest::to_bf16_vec;
-using gputest::to_float_vec;
-using gputest::upload;
+using namespace gputest;
 
-constexpr double kBf16Ulp = 1.0 / 128;  // one bf16 ulp relative to the top of its binade
-constexpr double kOneRounding = kBf16Ulp;
-constexpr double kChained = 2 * kBf16Ulp;
 constexpr double kF32Rel = 1e-4;
 
 CUstream_st* st() { return ctx().stream; }
