@@ -10,7 +10,7 @@ PROJECTIONS, NOT MEASUREMENTS. For every record (variant, step mode, B, q) of `k
   projected = kernel part + TP collectives + EP exchange + lm_head vocab gather
 
 - kernel part = the measured median minus the time of the loopback collectives. The loopback
-  collectives are device copies (runtime/gpu_collectives.cpp); the trace gives the time of all the
+  collectives are device copies (runtime/gpu/collectives.cpp); the trace gives the time of all the
   step's copies: their busy time (trace_busy_us minus the kernels' time, or the `memcpy32_post`
   kernels where the copies ran as kernels) plus the uncovered time charged to them
   (trace_gaps_before). Every copy of the step is counted here from the code (which copies, how many

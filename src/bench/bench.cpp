@@ -17,7 +17,7 @@
 #include "core/rng.h"
 #include "io/synthetic.h"
 #include "ops/linear.h"
-#include "runtime/gpu_rank.h"
+#include "runtime/gpu/rank.h"
 
 namespace k3 {
 
@@ -91,7 +91,7 @@ std::map<std::string, double> step_bytes_by_op(const ModelConfig& c, const Shard
   // The shared experts and the dense MLP: 1/G of them per rank when TP-sharded (the hybrid step's tp mode).
   const double ffn_parts = sh.ffn_tp ? G : 1, S = e.shared_intermediate() / ffn_parts;
   const double local_experts = double(e.num_experts) / sh.world_size;
-  // Pairs this rank's experts receive (gpu_rank.h): ceil(m k / G) for a rank slice.
+  // Pairs this rank's experts receive (gpu/rank.h): ceil(m k / G) for a rank slice.
   const double touched = std::min(local_experts, std::ceil(m * k / G));
   const double expert = 3 * (I * L / 2 + I * L / 32);
   const double ctx = double(context) + q;

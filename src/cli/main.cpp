@@ -28,8 +28,8 @@
 #ifdef K3_CUDA
 #include "bench/bench.h"
 #include "core/cuda.h"
-#include "runtime/gpu_cluster.h"
-#include "runtime/gpu_decoder.h"
+#include "runtime/gpu/cluster.h"
+#include "runtime/gpu/decoder.h"
 #ifdef K3_NCCL
 #include "comm/nccl.h"
 #endif

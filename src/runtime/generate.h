@@ -37,7 +37,7 @@ struct GenerateResult {
   int64_t positions = 0;
 };
 
-// What generate() drives: one rank of a layout (the CPU Engine, or a GpuRank through runtime/gpu_decoder.h);
+// What generate() drives: one rank of a layout (the CPU Engine, or a GpuRank through runtime/gpu/decoder.h);
 // what the Scheduler drives: a Decoder that is the whole world (one rank, or runtime/layout_decoder.h).
 class Decoder {
  public:

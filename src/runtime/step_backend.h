@@ -1,7 +1,7 @@
 // StepBackend: what a decode step asks of a backend, the seam between the one
 // step loop (runtime/steps.h) and the places the work runs: the CPU reference
 // (runtime/cpu_backend.h: host buffers, the CPU modules of model/layers.h,
-// Comm) and the GPU (runtime/gpu_rank.h: device buffers, the CUDA ops,
+// Comm) and the GPU (runtime/gpu/rank.h: device buffers, the CUDA ops,
 // GpuCollectives). Every call enqueues work on the backend's activations, named
 // by Act; nothing is read back until the step ends.
 //

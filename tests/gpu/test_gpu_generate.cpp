@@ -9,8 +9,8 @@
 #include "gpu_test_util.h"
 #include "io/synthetic.h"
 #include "runtime/engine.h"
-#include "runtime/gpu_cluster.h"
-#include "runtime/gpu_decoder.h"
+#include "runtime/gpu/cluster.h"
+#include "runtime/gpu/decoder.h"
 
 namespace k3 {
 namespace {

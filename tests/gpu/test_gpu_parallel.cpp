@@ -29,7 +29,7 @@
 #include "io/synthetic.h"
 #include "runtime/cluster.h"
 #include "runtime/engine.h"
-#include "runtime/gpu_cluster.h"
+#include "runtime/gpu/cluster.h"
 
 namespace k3 {
 namespace {

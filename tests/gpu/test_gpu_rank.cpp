@@ -6,7 +6,7 @@
 #include "gpu_test_util.h"
 #include "io/synthetic.h"
 #include "runtime/engine.h"
-#include "runtime/gpu_rank.h"
+#include "runtime/gpu/rank.h"
 
 namespace k3 {
 namespace {

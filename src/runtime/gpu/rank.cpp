@@ -1,8 +1,8 @@
-// GpuRank (runtime/gpu_rank.h): construction, the slots and the step's
+// GpuRank (runtime/gpu/rank.h): construction, the slots and the step's
 // metadata, and the StepBackend calls that are not modules (embedding,
 // AttnRes, norms, copies, collectives, lm_head). The modules are in
-// gpu_attention.cpp and gpu_moe.cpp.
-#include "runtime/gpu_rank.h"
+// gpu/attention.cpp and gpu/moe.cpp.
+#include "runtime/gpu/rank.h"
 
 #include <algorithm>
 

@@ -1,5 +1,5 @@
-// GpuCaches (runtime/gpu_caches.h).
-#include "runtime/gpu_caches.h"
+// GpuCaches (runtime/gpu/caches.h).
+#include "runtime/gpu/caches.h"
 
 #include "ops/kda.h"
 

@@ -1,5 +1,5 @@
-// The GpuRank's scratch carving (runtime/gpu_workspace.h).
-#include "runtime/gpu_workspace.h"
+// The GpuRank's scratch carving (runtime/gpu/workspace.h).
+#include "runtime/gpu/workspace.h"
 
 #include <algorithm>
 

@@ -1,5 +1,5 @@
-// GpuRank's collectives in their three modes (runtime/gpu_collectives.h).
-#include "runtime/gpu_collectives.h"
+// GpuRank's collectives in their three modes (runtime/gpu/collectives.h).
+#include "runtime/gpu/collectives.h"
 
 #include <algorithm>
 

@@ -1,9 +1,9 @@
-// LocalGpuCluster (runtime/gpu_cluster.h): GpuRanks as threads on one GPU.
-#include "runtime/gpu_cluster.h"
+// LocalGpuCluster (runtime/gpu/cluster.h): GpuRanks as threads on one GPU.
+#include "runtime/gpu/cluster.h"
 
 #include "comm/local_gpu.h"
 #include "comm/thread_groups.h"
-#include "runtime/gpu_decoder.h"
+#include "runtime/gpu/decoder.h"
 #include "runtime/layout_decoder.h"
 
 namespace k3 {

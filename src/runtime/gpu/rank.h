@@ -1,16 +1,16 @@
 // GpuRank: one rank's decode step on an NVIDIA GPU. It is the GPU's
 // StepBackend (runtime/step_backend.h): the one step loop of runtime/steps.h
 // runs on it, each call enqueuing CUDA ops (src/ops/*.cu) on the rank's stream.
-// Its parts, one file each:
-//   gpu_weights   the weights on the device (one factory for every caller)
-//   gpu_caches    the KDA states and the paged latent / indexer pools
-//   slot_table    the slots, lengths and pages (shared with the CPU engine)
-//   gpu_workspace the scratch, carved by one function per module
-//   gpu_attention the attention modules (KDA, MLA / DSA with DCP)
-//   gpu_moe       the MoE (router, EP exchange, experts, shared experts) and the dense MLP
-//   gpu_graphs    a CUDA graph per (step, B, q)
-//   gpu_profile   per-op-group events (bench --profile)
-// Collectives (runtime/gpu_collectives.h): identities on one rank; with
+// Its parts, one file each in runtime/gpu/:
+//   weights     the weights on the device (one factory for every caller)
+//   caches      the KDA states and the paged latent / indexer pools
+//   workspace   the scratch, carved by one function per module
+//   attention   the attention modules (KDA, MLA / DSA with DCP)
+//   moe         the MoE (router, EP exchange, experts, shared experts) and the dense MLP
+//   graphs      a CUDA graph per (step, B, q)
+//   profile     per-op-group events (bench --profile)
+// and runtime/slot_table.h: the slots, lengths and pages (shared with the CPU engine).
+// Collectives (runtime/gpu/collectives.h): identities on one rank; with
 // `loopback` (the rank-slice benchmark, design.md section 6) each moves the
 // bytes the real collective would move, and the MoE routes every pair of the
 // rank's shard to one of its local experts (uniform spread, as an EP exchange
@@ -39,13 +39,13 @@
 #include "config/model_config.h"
 #include "core/cuda.h"
 #include "ops/cuda_context.h"
-#include "runtime/gpu_caches.h"
-#include "runtime/gpu_collectives.h"
-#include "runtime/gpu_graphs.h"
-#include "runtime/gpu_options.h"
-#include "runtime/gpu_profile.h"
-#include "runtime/gpu_weights.h"
-#include "runtime/gpu_workspace.h"
+#include "runtime/gpu/caches.h"
+#include "runtime/gpu/collectives.h"
+#include "runtime/gpu/graphs.h"
+#include "runtime/gpu/options.h"
+#include "runtime/gpu/profile.h"
+#include "runtime/gpu/weights.h"
+#include "runtime/gpu/workspace.h"
 #include "runtime/slot_table.h"
 #include "runtime/step_backend.h"
 #include "runtime/steps.h"
@@ -98,8 +98,8 @@ class GpuRank final : private StepBackend {
   void attn_res(const ResMix& r) override;
   void rmsnorm(Act x, const bf16* w, int64_t rows) override;
   void copy_rows(Act dst, Act src, int64_t rows) override;
-  void attention(int layer, Act x, Act out) override;  // gpu_attention.cpp
-  // gpu_moe.cpp
+  void attention(int layer, Act x, Act out) override;  // gpu/attention.cpp
+  // gpu/moe.cpp
   void moe(int layer, Act x, int64_t row0, int64_t cs, int64_t real, Act out, bool with_shared) override;
   void shared_mlp(int layer, Act x, int64_t rows, Act out) override;
   void dense(int layer, Act x, int64_t rows, Act out) override;

@@ -1,5 +1,5 @@
-// GpuWeights (runtime/gpu_weights.h).
-#include "runtime/gpu_weights.h"
+// GpuWeights (runtime/gpu/weights.h).
+#include "runtime/gpu/weights.h"
 
 #include "config/schema.h"
 

@@ -1,5 +1,5 @@
 // The attention modules on the GPU (GpuRank::attention), the op sequence of
-// the CPU modules in model/layers.h with the rank's caches (gpu_caches.h):
+// the CPU modules in model/layers.h with the rank's caches (gpu/caches.h):
 //   KDA: in_proj -> short conv + SiLU (q, k, v) -> l2norm (q, k) -> gate
 //        (f_b f_a, A_log, dt_bias) and beta -> the chunked recurrence (the state
 //        after each token to the history) -> gated RMSNorm -> o_proj partial;
@@ -18,7 +18,7 @@
 #include "ops/mla.h"
 #include "ops/rmsnorm.h"
 #include "ops/short_conv.h"
-#include "runtime/gpu_rank.h"
+#include "runtime/gpu/rank.h"
 
 namespace k3 {
 

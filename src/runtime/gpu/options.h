@@ -6,7 +6,7 @@
 
 #include "comm/comm.h"
 #include "config/model_config.h"
-#include "runtime/gpu_collectives.h"
+#include "runtime/gpu/collectives.h"
 #include "runtime/steps.h"
 
 namespace k3 {
@@ -23,7 +23,7 @@ struct GpuRankOptions {
   StepOptions steps;            // the step a decoder takes (choose_step)
 };
 
-// The collectives' mode of these options (runtime/gpu_collectives.h): one rank, loopback, or real.
+// The collectives' mode of these options (runtime/gpu/collectives.h): one rank, loopback, or real.
 inline GpuCollectives::Mode collective_mode(const GpuRankOptions& o) {
   if (o.shard.tp_size == 1 && o.shard.world_size == 1) return GpuCollectives::Mode::Single;
   return o.loopback ? GpuCollectives::Mode::Loopback : GpuCollectives::Mode::Real;

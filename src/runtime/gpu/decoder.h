@@ -16,7 +16,7 @@
 #include "io/checkpoint.h"
 #include "ops/cuda_context.h"
 #include "runtime/generate.h"
-#include "runtime/gpu_rank.h"
+#include "runtime/gpu/rank.h"
 
 namespace k3 {
 

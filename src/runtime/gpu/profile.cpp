@@ -1,5 +1,5 @@
-// StepProfiler (runtime/gpu_profile.h).
-#include "runtime/gpu_profile.h"
+// StepProfiler (runtime/gpu/profile.h).
+#include "runtime/gpu/profile.h"
 
 #include <algorithm>
 

@@ -1,5 +1,5 @@
-// GpuDecoder (runtime/gpu_decoder.h).
-#include "runtime/gpu_decoder.h"
+// GpuDecoder (runtime/gpu/decoder.h).
+#include "runtime/gpu/decoder.h"
 
 namespace k3 {
 

@@ -13,7 +13,7 @@
 #include <cstdint>
 
 #include "core/bf16.h"
-#include "runtime/gpu_options.h"
+#include "runtime/gpu/options.h"
 
 namespace k3 {
 

@@ -19,7 +19,7 @@
 
 #include "comm/comm.h"
 #include "io/checkpoint.h"
-#include "runtime/gpu_rank.h"
+#include "runtime/gpu/rank.h"
 
 namespace k3 {
 

@@ -1,5 +1,5 @@
-// GraphCache (runtime/gpu_graphs.h).
-#include "runtime/gpu_graphs.h"
+// GraphCache (runtime/gpu/graphs.h).
+#include "runtime/gpu/graphs.h"
 
 #include "core/cuda.h"
 

@@ -9,7 +9,7 @@
 #include "ops/moe.h"
 #include "ops/rmsnorm.h"
 #include "ops/router.h"
-#include "runtime/gpu_rank.h"
+#include "runtime/gpu/rank.h"
 
 namespace k3 {
 
