@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "core/bf16.h"
@@ -76,6 +77,28 @@ inline void expect_close(const std::vector<float>& got, const std::vector<float>
   EXPECT_LE(err, atol + rtol * scale) << what << ": worst at " << worst << " got " << got[worst] << " want "
                                       << want[worst] << " (scale " << scale << ")";
 }
+
+// Shorthands of the op tests: BF16 / F32 / I32 transfers, a NaN-filled output, uniform random values,
+// a seeded shuffle, the context's stream.
+inline DeviceBuffer up_bf16(const std::vector<float>& v) { return upload(to_bf16_vec(v)); }
+inline std::vector<float> down_bf16(const DeviceBuffer& d, size_t n) { return to_float_vec(download<bf16>(d, n)); }
+inline std::vector<float> down_f32(const DeviceBuffer& d, size_t n) { return download<float>(d, n); }
+inline std::vector<int32_t> down_i32(const DeviceBuffer& d, size_t n) { return download<int32_t>(d, n); }
+// n BF16 NaNs (all-ones bits): an output value a kernel never writes stays NaN and fails the comparison.
+inline void fill_nan_bf16(DeviceBuffer& b, size_t n) {
+  ASSERT_EQ(cudaMemset(b.get(), 0xFF, n * sizeof(bf16)), cudaSuccess);
+}
+inline std::vector<float> uniform(size_t n, uint64_t seed, double lo, double hi) {
+  Rng r(seed);
+  std::vector<float> v(n);
+  for (auto& x : v) x = static_cast<float>(r.uniform(lo, hi));
+  return v;
+}
+template <typename T>
+void shuffle(std::vector<T>& v, Rng& r) {
+  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[r.below(i)]);
+}
+inline CUstream_st* st() { return ctx().stream; }
 
 // A launcher's status (0 = cudaSuccess), asserted.
 #define K3_CU(expr) ASSERT_EQ(static_cast<int>(expr), 0) << #expr

@@ -23,26 +23,9 @@ using namespace gputest;
 
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-CUstream_st* st() { return gputest::ctx().stream; }
 
-DeviceBuffer up_bf16(const std::vector<float>& v) { return upload(to_bf16_vec(v)); }
-// n BF16 NaNs (all-ones bits): an output value a kernel never writes stays NaN and fails the comparison.
-void fill_nan_bf16(DeviceBuffer& b, size_t n) { ASSERT_EQ(cudaMemset(b.get(), 0xFF, n * sizeof(bf16)), cudaSuccess); }
-std::vector<float> down_bf16(const DeviceBuffer& d, size_t n) { return to_float_vec(download<bf16>(d, n)); }
-std::vector<float> down_f32(const DeviceBuffer& d, size_t n) { return download<float>(d, n); }
-std::vector<int32_t> down_i32(const DeviceBuffer& d, size_t n) { return download<int32_t>(d, n); }
 
-std::vector<float> uniform(size_t n, uint64_t seed, double lo, double hi) {
-  Rng r(seed);
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>(r.uniform(lo, hi));
-  return v;
-}
 
-template <typename T>
-void shuffle(std::vector<T>& v, Rng& r) {
-  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[r.below(i)]);
-}
 
 void expect_exact(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
   ASSERT_EQ(got.size(), want.size()) << what;

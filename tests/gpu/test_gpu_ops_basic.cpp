@@ -30,7 +30,6 @@ using namespace gputest;
 constexpr double kNormOfChained = 3 * kBf16Ulp;
 constexpr double kF32Rel = 1e-4;
 
-CUstream_st* st() { return ctx().stream; }
 
 DeviceBuffer upload_bf16(const std::vector<float>& v) { return upload(to_bf16_vec(v)); }
 std::vector<float> download_bf16(const DeviceBuffer& d, size_t n) { return to_float_vec(download<bf16>(d, n)); }

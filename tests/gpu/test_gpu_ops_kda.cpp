@@ -21,23 +21,9 @@ using namespace gputest;
 
 constexpr float kSentinel = 12345.0f;
 
-CUstream_st* st() { return gputest::ctx().stream; }
 
-DeviceBuffer up_bf16(const std::vector<float>& v) { return upload(to_bf16_vec(v)); }
-std::vector<float> down_bf16(const DeviceBuffer& d, size_t n) { return to_float_vec(download<bf16>(d, n)); }
-std::vector<float> down_f32(const DeviceBuffer& d, size_t n) { return download<float>(d, n); }
 
-std::vector<float> uniform(size_t n, uint64_t seed, double lo, double hi) {
-  Rng r(seed);
-  std::vector<float> v(n);
-  for (auto& x : v) x = static_cast<float>(r.uniform(lo, hi));
-  return v;
-}
 
-template <typename T>
-void shuffle(std::vector<T>& v, Rng& r) {
-  for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[r.below(i)]);
-}
 
 // B distinct slots out of num_slots, in shuffled order.
 std::vector<int32_t> pick_slots(int B, int num_slots, uint64_t seed) {
