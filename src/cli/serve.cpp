@@ -1,9 +1,14 @@
 // `k3decode serve` (cli/serve.h): the HTTP layer over the Scheduler.
 #include "cli/serve.h"
 
+#include <arpa/inet.h>
+#include <dirent.h>
 #include <httplib.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 
 #include <atomic>
 #include <chrono>
@@ -103,6 +108,79 @@ struct Server {
     std::string s = text_of(std::span<const int32_t>(&t, 1));
     return s;
   }
+};
+
+// ---- the client's connection
+
+// httplib 0.11 (Debian's) tells a handler nothing about its connection, so a
+// non-streaming request could not notice that its client went away. PeerWatch
+// finds the connection's socket among the process's descriptors by its two
+// ends (the request's local and remote address and port) and polls it: a
+// peer that closed (or reset) the connection makes closed() true. The ends are
+// checked again at every poll, so a descriptor reused by another connection
+// reads as closed, never as someone else's socket.
+class PeerWatch {
+ public:
+  explicit PeerWatch(const httplib::Request& r)
+      : local_addr_(r.local_addr), remote_addr_(r.remote_addr), local_port_(r.local_port),
+        remote_port_(r.remote_port) {
+    if (local_port_ < 0 || remote_port_ < 0) return;
+    DIR* d = opendir("/proc/self/fd");
+    if (!d) return;
+    while (dirent* e = readdir(d)) {
+      const int fd = std::atoi(e->d_name);
+      if (fd <= 2 || fd == dirfd(d)) continue;
+      if (ends_match(fd)) {
+        fd_ = fd;
+        break;
+      }
+    }
+    closedir(d);
+  }
+  bool found() const { return fd_ >= 0; }
+  // True once the client closed or reset the connection (false when the socket was never found).
+  bool closed() const {
+    if (fd_ < 0) return false;
+    if (!ends_match(fd_)) return true;
+    pollfd p{fd_, static_cast<short>(POLLIN | POLLRDHUP), 0};
+    if (::poll(&p, 1, 0) <= 0) return false;
+    if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) return true;
+    if (p.revents & POLLIN) {  // readable: a next pipelined request (open) or end of stream (closed)
+      char c;
+      return ::recv(fd_, &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+    }
+    return false;
+  }
+
+ private:
+  static bool same(const sockaddr_storage& a, const std::string& addr, int port) {
+    char buf[INET6_ADDRSTRLEN] = {};
+    int p = -1;
+    if (a.ss_family == AF_INET) {
+      const auto& v = reinterpret_cast<const sockaddr_in&>(a);
+      inet_ntop(AF_INET, &v.sin_addr, buf, sizeof buf);
+      p = ntohs(v.sin_port);
+    } else if (a.ss_family == AF_INET6) {
+      const auto& v = reinterpret_cast<const sockaddr_in6&>(a);
+      inet_ntop(AF_INET6, &v.sin6_addr, buf, sizeof buf);
+      p = ntohs(v.sin6_port);
+    } else {
+      return false;
+    }
+    return p == port && addr == buf;
+  }
+  bool ends_match(int fd) const {
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
+    sockaddr_storage a{};
+    socklen_t n = sizeof a;
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) != 0 || !same(a, local_addr_, local_port_)) return false;
+    n = sizeof a;
+    return getpeername(fd, reinterpret_cast<sockaddr*>(&a), &n) == 0 && same(a, remote_addr_, remote_port_);
+  }
+  std::string local_addr_, remote_addr_;
+  int local_port_, remote_port_;
+  int fd_ = -1;
 };
 
 // ---- request parsing
@@ -397,8 +475,19 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
   if (!stream) {
     std::vector<Choice> choices(reqs.size());
     {
+      // Waits for every choice; a client that goes away meanwhile cancels them (their slots free at once).
+      const PeerWatch peer(hreq);
+      bool gone = false;
       std::unique_lock<std::mutex> lock(box->mu);
-      box->cv.wait(lock, [&] { return box->open == 0; });
+      while (!box->cv.wait_for(lock, std::chrono::milliseconds(100), [&] { return box->open == 0; })) {
+        if (gone || !peer.closed()) continue;
+        gone = true;
+        ++s.disconnects;
+        lock.unlock();
+        for (int64_t i : ids) s.sched.cancel(i);
+        lock.lock();
+      }
+      if (gone) return;  // nobody to answer
       for (auto& [i, ev] : box->events) {
         choices[i].tokens.insert(choices[i].tokens.end(), ev.tokens.begin(), ev.tokens.end());
         choices[i].logprobs.insert(choices[i].logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
@@ -546,7 +635,7 @@ std::string metrics_text(Server& s) {
   metric("k3_tokens_per_step", "gauge", "tokens per request per decode step (1 without drafting)",
          {{"", ratio(double(m.decode_tokens), double(m.decode_request_steps))}});
   metric("k3_http_errors_total", "counter", "requests answered with an error status", {{"", double(s.http_errors.load())}});
-  metric("k3_stream_disconnects_total", "counter", "streams whose client went away", {{"", double(s.disconnects.load())}});
+  metric("k3_client_disconnects_total", "counter", "requests whose client went away before the answer", {{"", double(s.disconnects.load())}});
   metric("k3_uptime_seconds", "gauge", "seconds since start", {{"", up}});
   return o;
 }

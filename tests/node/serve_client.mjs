@@ -174,6 +174,38 @@ ok('streaming completions equal the non-streamed ones');
   ok(`cancel mid-stream frees the slot (${Date.now() - t0} ms)`);
 }
 
+// --- cancellation of a non-streaming request: the client aborts while the server is generating
+{
+  const before = await metrics(smallUrl);
+  const ctl = new AbortController();
+  const pending = small.completions.create({ model: 'x', prompt: [1, 2, 3], max_tokens: 3000, temperature: 0,
+                                             ignore_eos: true }, { signal: ctl.signal });
+  let started = 0;
+  for (const t0 = Date.now(); Date.now() - t0 < 10000; await new Promise((r) => setTimeout(r, 20))) {
+    const m = await metrics(smallUrl);
+    started = m.k3_generated_tokens_total - before.k3_generated_tokens_total;
+    if (started >= 5) break;
+  }
+  assert.ok(started >= 5, 'the non-streaming request never started generating');
+  ctl.abort();
+  await assert.rejects(pending);
+  let h;
+  const t0 = Date.now();
+  for (;;) {
+    h = await health(smallUrl);
+    if (h.running === 0 || Date.now() - t0 > 10000) break;
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  assert.equal(h.running, 0, 'the aborted non-streaming request still holds a slot');
+  assert.equal(h.free_slots, h.max_slots);
+  const after = await metrics(smallUrl);
+  assert.equal(after['k3_requests_finished_total{reason="cancelled"}'],
+               before['k3_requests_finished_total{reason="cancelled"}'] + 1);
+  assert.equal(after.k3_client_disconnects_total, before.k3_client_disconnects_total + 1);
+  assert.ok(after.k3_generated_tokens_total - before.k3_generated_tokens_total < 3000);
+  ok(`an aborted non-streaming request is cancelled and frees its slot (${Date.now() - t0} ms)`);
+}
+
 // --- bad requests: 4xx with an OpenAI error, and the server goes on
 async function raw(url, path, body) {
   const r = await fetch(`${url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
