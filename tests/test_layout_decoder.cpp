@@ -235,7 +235,7 @@ TEST(LayoutDecoder, SlotMappingOrderAndIdleReplicas) {
   EXPECT_EQ(dec->max_slots(), 6);
   EXPECT_TRUE(dec->whole_world());
   // The replica with the most free slots, ties to the lowest.
-  const int a = dec->admit(), b = dec->admit(), c = dec->admit();
+  const int a = dec->admit(0), b = dec->admit(0), c = dec->admit(0);
   EXPECT_EQ(a, 0);
   EXPECT_EQ(b, 3);
   EXPECT_EQ(c, 1);
@@ -280,9 +280,9 @@ TEST(LayoutDecoder, ErrorsLeaveItUsable) {
   const auto ra = generate_on(m, L, {pa}, 1, true)[0];
   LocalCluster cluster(m.src, m.config, opts(1), L);
   auto dec = make_layout_decoder(cluster);
-  const int a = dec->admit(), b = dec->admit();
+  const int a = dec->admit(0), b = dec->admit(0);
   EXPECT_EQ(b, 1);
-  expect_error([&] { dec->admit(); }, "taken");
+  expect_error([&] { dec->admit(0); }, "taken");
   expect_error([&] { dec->step(std::vector<int>{7}, 1, std::vector<int32_t>{1}); }, "outside");
   expect_error([&] { dec->step(std::vector<int>{a}, 2, std::vector<int32_t>{1}); }, "tokens");
   const int32_t bad = static_cast<int32_t>(m.config.vocab_size);
@@ -294,11 +294,51 @@ TEST(LayoutDecoder, ErrorsLeaveItUsable) {
   std::vector<float> la = dec->step(std::vector<int>{a}, 4, pa);
   dec->commit(std::vector<int>{a}, 4);
   EXPECT_TRUE(bit_equal(la, ra.logits.data(), ra.logits.size())) << "after the errors";
-  EXPECT_EQ(dec->admit(), 1);
+  EXPECT_EQ(dec->admit(0), 1);
 }
 
 // The Scheduler on a facade refuses a bad request and keeps serving the others with generate()'s tokens; it refuses
 // to drive one rank of a multi-rank layout.
+// Admission with pages set aside: a replica whose pages are reserved is passed over for one that has them, and
+// DCP ranks count only their share of the positions.
+TEST(LayoutDecoder, AdmitSetsPagesAside) {
+  const Model& m = model("k3");
+  for (const Layout& L : {Layout{2, 2, 1}, Layout{2, 2, 2}}) {
+    SCOPED_TRACE(name(L));
+    EngineOptions o = opts(3);
+    o.cache.num_pages = 6;  // per rank, 4 positions a page: 24 positions, or 48 of a request split over DCP 2
+    LocalCluster cluster(m.src, m.config, o, L);
+    auto dec = make_layout_decoder(cluster);
+    const int64_t big = L.dcp == 1 ? 20 : 40;  // 5 pages on each rank
+    EXPECT_TRUE(dec->fits(big));
+    EXPECT_FALSE(dec->fits(L.dcp == 1 ? 25 : 49));
+    EXPECT_TRUE(dec->fits(L.dcp == 1 ? 24 : 48));
+    const int a = dec->admit(big);
+    EXPECT_EQ(dec->replica_of(a), 0);
+    EXPECT_TRUE(dec->can_admit(big));  // replica 1 has its pages
+    const int b = dec->admit(big);
+    EXPECT_EQ(dec->replica_of(b), 1) << "replica 0 has a free slot but its pages are set aside";
+    EXPECT_FALSE(dec->can_admit(big));
+    EXPECT_TRUE(dec->can_admit(4));  // one page left on every rank
+    expect_error([&] { dec->admit(big); }, "KV pages");
+    // The reserved request grows into its own pages; a small one takes the spare page.
+    const int c = dec->admit(4);
+    const std::vector<int32_t> prompt = {5, 17, 200, 3, 9, 8, 60, 1};
+    dec->step(std::vector<int>{a, c}, 4, std::vector<int32_t>{5, 17, 200, 3, 9, 8, 60, 1});
+    dec->commit(std::vector<int>{a, c}, 4);
+    dec->step(std::vector<int>{a}, 4, std::vector<int32_t>(prompt.begin(), prompt.begin() + 4));
+    dec->commit(std::vector<int>{a}, 4);
+    EXPECT_EQ(dec->replica_of(c), 0);
+    const int d = dec->admit(4);  // replica 1's spare page
+    EXPECT_EQ(dec->replica_of(d), 1);
+    EXPECT_FALSE(dec->can_admit(4)) << "every page is held or set aside";
+    expect_error([&] { dec->admit(1); }, "KV pages");
+    dec->release(b);
+    EXPECT_TRUE(dec->can_admit(big));
+    for (int s : {a, c, d}) dec->release(s);
+  }
+}
+
 TEST(LayoutDecoder, SchedulerRefusesABadRequestAndKeepsServing) {
   Watchdog dog;
   const Model& m = model("k3");

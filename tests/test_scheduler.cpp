@@ -172,6 +172,48 @@ TEST(Scheduler, RefusesWhatCanNeverFit) {
   EXPECT_EQ(h.sched.metrics().requests_finished, 1);
 }
 
+// Fewer KV pages than slots x context: requests wait for pages (not refused), every one finishes with the
+// tokens it gets alone, and no two admitted requests ever need more pages than exist; a request whose worst case
+// exceeds the whole cache is refused.
+TEST(Scheduler, WaitsForPages) {
+  const ModelConfig& c = model("k3").config;
+  EngineOptions o = opts(4, 128);
+  o.cache.page_size = 8;
+  o.cache.num_pages = 10;  // 80 tokens: room for two requests of 3 + 30 - 1 positions (5 pages each), not four
+  const auto ps = prompts();
+  const int max_new = 30;
+  for (int draft : {0, 3}) {
+    SchedulerOptions so;
+    so.draft_tokens = draft;
+    Harness h(c, o, so);
+    try {
+      h.submit(greedy(std::vector<int32_t>(60, 1), 30));  // 89 positions: 12 pages > 10
+      FAIL() << "a request larger than the whole cache was accepted";
+    } catch (const SubmitError& e) {
+      EXPECT_EQ(e.kind, SubmitError::Kind::Invalid);
+      EXPECT_NE(std::string(e.what()).find("KV pages"), std::string::npos) << e.what();
+    }
+    std::vector<int64_t> ids;
+    std::vector<std::vector<int32_t>> used;
+    for (size_t i = 0; i < 6; ++i) {
+      used.push_back(std::vector<int32_t>(ps[i].begin(), ps[i].begin() + std::min<size_t>(ps[i].size(), 8)));
+      ids.push_back(h.submit(greedy(used.back(), max_new)));
+    }
+    int64_t most_running = 0;
+    for (int guard = 0; guard < 100000 && h.sched.iterate(); ++guard) {
+      const SchedulerMetrics m = h.sched.metrics();
+      most_running = std::max(most_running, m.running);
+    }
+    // Worst cases of 4-5 pages each: two fit in 10 pages, never three.
+    EXPECT_EQ(most_running, 2);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      EXPECT_EQ(h.get(ids[i]).reason, FinishReason::Length) << "request " << i << " draft " << draft;
+      EXPECT_EQ(h.get(ids[i]).tokens, alone(c, used[i], max_new, {}).tokens) << "request " << i << " draft " << draft;
+    }
+    EXPECT_EQ(h.sched.metrics().requests_rejected, 1);
+  }
+}
+
 TEST(Scheduler, BoundedQueue) {
   const ModelConfig& c = model("k3").config;
   SchedulerOptions so;

@@ -173,6 +173,11 @@ int main(int argc, char** argv) {
   srv->add_option("--port", so.port, "port (0: any free port, printed on stderr)")->capture_default_str();
   srv->add_option("--max-slots", scache.max_slots, "concurrent requests (decode batch)")->capture_default_str();
   srv->add_option("--max-context", scache.max_context, "tokens per request (prompt + output)")->capture_default_str();
+  srv->add_option("--kv-pages", scache.num_pages,
+                  "KV cache pages per rank, --page-size tokens each (0: every slot can hold --max-context); a "
+                  "request waits until the pages of its prompt + max_tokens can be set aside")
+      ->capture_default_str();
+  srv->add_option("--page-size", scache.page_size, "tokens per KV page")->capture_default_str();
   srv->add_option("--max-q", scache.max_q, "tokens per request per step (prefill chunk, verify width)")
       ->capture_default_str();
   srv->add_option("--max-queue", sched_opts.max_queue, "requests waiting for a slot before 429")->capture_default_str();
@@ -376,6 +381,7 @@ int main(int argc, char** argv) {
         go.max_q = scache.max_q;
         go.max_context = scache.max_context;
         go.page_size = scache.page_size;
+        go.num_pages = scache.num_pages;
         go.steps = StepOptions{kind, EngineOptions{}.moe_capacity};
         if (slayout.world() == 1) {
           GpuDecoder decoder(*src, config, go);

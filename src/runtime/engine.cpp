@@ -59,8 +59,8 @@ StepKind Engine::choose_step(int64_t rows, int q) const {
   return k3::choose_step(step_options(), rows, q, layout_.tp);
 }
 
-int Engine::admit() {
-  const int s = caches_.table().admit();
+int Engine::admit(int64_t reserve_tokens) {
+  const int s = caches_.table().admit(reserve_tokens);
   caches_.reset_slot(s);
   return s;
 }

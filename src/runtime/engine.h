@@ -53,7 +53,10 @@ class Engine {
   const Layout& layout() const { return layout_; }
   int world_rank() const { return world_rank_; }
 
-  int admit();                        // a free slot; Error when all are taken
+  // A free slot, the pages of `reserve_tokens` positions set aside (SlotTable::admit); Error when none.
+  int admit(int64_t reserve_tokens = 0);
+  bool can_admit(int64_t tokens) const { return caches_.table().can_admit(tokens); }
+  bool fits(int64_t tokens) const { return caches_.table().fits(tokens); }
   void release(int slot);
   int64_t length(int slot) const { return caches_.table().length(slot); }  // committed tokens
   bool pending(int slot) const { return caches_.table().pending(slot); }

@@ -71,7 +71,7 @@ std::vector<GenerateResult> generate(Decoder& engine, const std::vector<std::vec
     if (static_cast<int>(i) % L.dp == replica) {
       Live r;
       r.index = static_cast<int>(i);
-      r.slot = engine.admit();
+      r.slot = engine.admit(0);
       r.rng = Rng(sp.seed + i);
       live.push_back(std::move(r));
     }

@@ -48,7 +48,12 @@ class Decoder {
   virtual int max_slots() const = 0;
   virtual int max_q() const = 0;
   virtual int64_t max_context() const = 0;
-  virtual int admit() = 0;
+  // A free slot with the KV pages of its first `reserve_tokens` positions set aside (SlotTable::admit: a server
+  // reserves a request's worst case so it never runs out of pages later; 0 reserves none). Error when none.
+  virtual int admit(int64_t reserve_tokens) = 0;
+  // Whether admit(tokens) would succeed now; whether a request of `tokens` positions could ever be admitted.
+  virtual bool can_admit(int64_t tokens) const = 0;
+  virtual bool fits(int64_t tokens) const = 0;
   virtual void release(int slot) = 0;
   // B requests x q tokens -> logits [B q, V] (every rank of the replica calls it alike).
   virtual std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) = 0;
@@ -77,7 +82,9 @@ class EngineDecoder : public Decoder {
   int max_slots() const override { return e_.options().max_slots; }
   int max_q() const override { return e_.options().max_q; }
   int64_t max_context() const override { return e_.options().max_context; }
-  int admit() override { return e_.admit(); }
+  int admit(int64_t reserve_tokens) override { return e_.admit(reserve_tokens); }
+  bool can_admit(int64_t tokens) const override { return e_.can_admit(tokens); }
+  bool fits(int64_t tokens) const override { return e_.fits(tokens); }
   void release(int slot) override { e_.release(slot); }
   std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override {
     return e_.step(slots, q, tokens);

@@ -123,15 +123,43 @@ void LayoutDecoder::check_slot(int slot, const char* what) const {
   K3_CHECK(used_[slot / per_replica_][slot % per_replica_], "{}: slot {} is not admitted", what, slot);
 }
 
-int LayoutDecoder::admit() {
+// Whether every rank of replica p could admit a request of `tokens` positions now (the tables are read between
+// commands, while the rank threads wait).
+bool LayoutDecoder::replica_can_admit(int p, int64_t tokens) const {
+  for (int w = p * layout_.tp; w < (p + 1) * layout_.tp; ++w)
+    if (!ranks_[static_cast<size_t>(w)]->can_admit(tokens)) return false;
+  return true;
+}
+
+bool LayoutDecoder::can_admit(int64_t tokens) const {
   std::lock_guard<std::mutex> call(call_mu_);
-  int best = 0;
-  for (int p = 1; p < layout_.dp; ++p)
-    if (free_slots(p) > free_slots(best)) best = p;
-  K3_CHECK(free_slots(best) > 0, "admit: all {} slots of the {} replicas are taken", max_slots(), layout_.dp);
+  for (int p = 0; p < layout_.dp; ++p)
+    if (free_slots(p) > 0 && replica_can_admit(p, tokens)) return true;
+  return false;
+}
+
+bool LayoutDecoder::fits(int64_t tokens) const {
+  for (const auto& r : ranks_)
+    if (!r->fits(tokens)) return false;
+  return true;
+}
+
+int LayoutDecoder::admit(int64_t reserve_tokens) {
+  std::lock_guard<std::mutex> call(call_mu_);
+  int best = -1;  // the replica with the most free slots that can set the pages aside
+  for (int p = 0; p < layout_.dp; ++p)
+    if (free_slots(p) > 0 && (best < 0 || free_slots(p) > free_slots(best)) && replica_can_admit(p, reserve_tokens))
+      best = p;
+  if (best < 0) {
+    bool slot = false;
+    for (int p = 0; p < layout_.dp; ++p) slot = slot || free_slots(p) > 0;
+    K3_CHECK(slot, "admit: all {} slots of the {} replicas are taken", max_slots(), layout_.dp);
+    fail("admit: out of KV pages: no replica with a free slot can set aside the pages of {} tokens",
+         reserve_tokens);
+  }
   std::vector<int> got(ranks_.size(), -1);
   run([&](int w, Decoder& d) {
-    if (layout_.replica(w) == best) got[w] = d.admit();
+    if (layout_.replica(w) == best) got[w] = d.admit(reserve_tokens);
   });
   const int s = got[static_cast<size_t>(best * layout_.tp)];
   for (int w = best * layout_.tp; w < (best + 1) * layout_.tp; ++w)

@@ -59,7 +59,9 @@ class LayoutDecoder : public Decoder {
   int max_slots() const override { return layout_.dp * per_replica_; }
   int max_q() const override { return ranks_[0]->max_q(); }
   int64_t max_context() const override { return ranks_[0]->max_context(); }
-  int admit() override;
+  int admit(int64_t reserve_tokens) override;
+  bool can_admit(int64_t tokens) const override;
+  bool fits(int64_t tokens) const override;
   void release(int slot) override;
   std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override;
   void commit(std::span<const int> slots, int q) override;
@@ -69,6 +71,7 @@ class LayoutDecoder : public Decoder {
 
   int slots_per_replica() const { return per_replica_; }
   int free_slots(int replica) const;
+  bool replica_can_admit(int replica, int64_t tokens) const;
   int replica_of(int slot) const { return slot / per_replica_; }
   Decoder& rank(int world_rank) { return *ranks_.at(static_cast<size_t>(world_rank)); }
 
@@ -85,7 +88,7 @@ class LayoutDecoder : public Decoder {
   std::vector<std::unique_ptr<Decoder>> ranks_;
   std::vector<std::vector<char>> used_;  // [replica][local slot]: admitted through the facade
 
-  std::mutex call_mu_;  // one facade call at a time
+  mutable std::mutex call_mu_;  // one facade call at a time
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   const std::function<void(int, Decoder&)>* cmd_ = nullptr;

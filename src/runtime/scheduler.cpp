@@ -95,6 +95,13 @@ Scheduler::Scheduler(Decoder& decoder, const SchedulerOptions& options) : dec_(d
   m_.free_slots = dec_.max_slots();
 }
 
+// The positions a request may ever write: prompt + max_tokens - 1, and with drafting the padding rows a verify
+// step may give it beyond that (up to draft_tokens), within the context.
+int64_t Scheduler::reserve_tokens(const Request& req) const {
+  const int64_t need = static_cast<int64_t>(req.prompt.size()) + req.max_tokens - 1;
+  return std::min<int64_t>(need + opts_.draft_tokens, dec_.max_context());
+}
+
 Scheduler::~Scheduler() {
   for (auto& r : running_)
     if (r->slot >= 0) dec_.release(r->slot);
@@ -118,6 +125,10 @@ int64_t Scheduler::submit(Request req, RequestCallback callback) {
     refuse(SubmitError::Kind::Invalid,
            fmt::format("the prompt of {} tokens + max_tokens {} exceeds the context of {} tokens", req.prompt.size(),
                        req.max_tokens, dec_.max_context()));
+  if (!dec_.fits(reserve_tokens(req)))
+    refuse(SubmitError::Kind::Invalid,
+           fmt::format("the prompt of {} tokens + max_tokens {} needs more KV pages than the cache holds",
+                       req.prompt.size(), req.max_tokens));
   if (!req.sampling.greedy) {
     try {
       ops::check_sampling_params(req.sampling.temperature, req.sampling.top_p);
@@ -418,16 +429,17 @@ bool Scheduler::iterate() {
   for (int64_t id : cancels)
     for (auto& r : running_)
       if (r->id == id) finish(*r, FinishReason::Cancelled);
-  // Admit waiting requests into free slots.
+  // Admit waiting requests, first come first served, while a slot and the pages of the next one's worst case
+  // are free (a request that waits for pages holds back the ones behind it: none starves).
   while (static_cast<int>(running_.size()) < dec_.max_slots()) {
     std::unique_ptr<Live> r;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (waiting_.empty()) break;
+      if (waiting_.empty() || !dec_.can_admit(reserve_tokens(waiting_.front()->req))) break;
       r = std::move(waiting_.front());
       waiting_.pop_front();
     }
-    r->slot = dec_.admit();
+    r->slot = dec_.admit(reserve_tokens(r->req));
     running_.push_back(std::move(r));
   }
   reap();

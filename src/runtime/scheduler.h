@@ -38,8 +38,11 @@
 //
 // Admission: a request is refused (SubmitError) when it can never run (empty
 // prompt, token id outside the vocabulary, prompt + max_tokens - 1 over the
-// context, bad sampling parameters) or when the wait queue is full; otherwise
-// it waits for a slot. The Decoder is the whole world: one rank, or a layout's ranks as threads behind a
+// context or over the KV pages of an empty cache, bad sampling parameters) or
+// when the wait queue is full; otherwise it waits until a slot is free and
+// the KV pages of its worst case (prompt + max_tokens - 1, plus draft_tokens
+// of verify padding) can be set aside for it (Decoder::admit), so an admitted
+// request never runs out of pages. The Decoder is the whole world: one rank, or a layout's ranks as threads behind a
 // LayoutDecoder (runtime/layout_decoder.h: DP replicas' slots are its slots).
 #pragma once
 
@@ -151,6 +154,7 @@ class Scheduler {
   bool step_prefill(std::vector<Live*>& group);
   bool step_decode(std::vector<Live*>& group);
   std::vector<int32_t> propose(const Live& r, int k) const;
+  int64_t reserve_tokens(const Request& req) const;
 
   Decoder& dec_;
   SchedulerOptions opts_;

@@ -25,12 +25,34 @@ int64_t SlotTable::local_tokens(int64_t tokens) const {
   return tokens > o_.dcp_rank ? (tokens - o_.dcp_rank + o_.dcp_size - 1) / o_.dcp_size : 0;
 }
 
-int SlotTable::admit() {
+int64_t SlotTable::reserved_pages() const {
+  int64_t r = 0;
+  for (const Slot& s : slots_)
+    if (s.active) r += std::max<int64_t>(0, s.reserved - static_cast<int64_t>(s.pages.size()));
+  return r;
+}
+
+bool SlotTable::fits(int64_t tokens) const {
+  return tokens <= o_.max_context && pages_for(local_tokens(tokens)) <= o_.num_pages;
+}
+
+bool SlotTable::can_admit(int64_t reserve_tokens) const {
+  const bool slot = std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) { return !s.active; });
+  return slot && fits(reserve_tokens) &&
+         pages_for(local_tokens(reserve_tokens)) <= free_pages() - reserved_pages();
+}
+
+int SlotTable::admit(int64_t reserve_tokens) {
+  K3_CHECK(reserve_tokens >= 0 && reserve_tokens <= o_.max_context,
+           "admit: {} tokens to set aside, outside 0..{} (the context)", reserve_tokens, o_.max_context);
+  const int64_t want = pages_for(local_tokens(reserve_tokens)), spare = free_pages() - reserved_pages();
+  K3_CHECK(want <= spare, "admit: out of KV pages: {} needed, {} free of which {} are set aside for other requests",
+           want, free_pages(), free_pages() - spare);
   for (int s = 0; s < o_.max_slots; ++s) {
     if (slots_[s].active) continue;
+    slots_[s] = Slot{};
     slots_[s].active = true;
-    slots_[s].length = 0;
-    slots_[s].pending_q = 0;
+    slots_[s].reserved = want;
     return s;
   }
   fail("admit: too many requests: all {} slots are in use", o_.max_slots);
@@ -65,7 +87,7 @@ void SlotTable::validate_step(std::span<const int> slots, int q, std::span<const
   K3_CHECK(q >= 1 && q <= o_.max_q, "step: q = {} outside 1..{} (max_q)", q, o_.max_q);
   K3_CHECK(static_cast<int64_t>(tokens.size()) == int64_t{B} * q, "step: {} tokens for {} requests x q = {}",
            tokens.size(), B, q);
-  int64_t new_pages = 0;
+  int64_t new_pages = 0, reserved_after = reserved_pages();
   for (int b = 0; b < B; ++b) {
     check_slot(slots[b], "step");
     K3_CHECK(std::count(slots.begin(), slots.end(), slots[b]) == 1, "step: slot {} listed twice", slots[b]);
@@ -73,12 +95,17 @@ void SlotTable::validate_step(std::span<const int> slots, int q, std::span<const
     K3_CHECK(restep || s.pending_q == 0, "step: slot {} has an uncommitted step (commit it first)", slots[b]);
     K3_CHECK(s.length + q <= o_.max_context, "step: slot {} is full: {} + {} tokens exceed the cache of {} tokens",
              slots[b], s.length, q, o_.max_context);
-    new_pages += std::max<int64_t>(0, pages_for(local_tokens(s.length + q)) - static_cast<int64_t>(s.pages.size()));
+    const int64_t held = static_cast<int64_t>(s.pages.size()), after = std::max(held, pages_for(local_tokens(s.length + q)));
+    new_pages += after - held;
+    reserved_after += std::max<int64_t>(0, s.reserved - after) - std::max<int64_t>(0, s.reserved - held);
   }
   for (size_t i = 0; i < tokens.size(); ++i)
     K3_CHECK(tokens[i] >= 0 && tokens[i] < vocab, "step: token id {} (row {}) outside vocab 0..{}", tokens[i], i,
              vocab - 1);
-  K3_CHECK(new_pages <= free_pages(), "step: out of KV pages ({} free, {} needed)", free_pages(), new_pages);
+  // A slot grows into its own reserve first; what the others set aside stays free.
+  K3_CHECK(new_pages <= free_pages() - reserved_after,
+           "step: out of KV pages ({} free, {} set aside for admitted requests, {} needed)", free_pages(),
+           reserved_after, new_pages);
 }
 
 std::vector<int64_t> SlotTable::begin_step(std::span<const int> slots, int q) {

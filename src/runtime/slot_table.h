@@ -43,7 +43,15 @@ class SlotTable {
   // The longest block table a slot can have (the stride of the device tables).
   int64_t max_pages_per_slot() const { return pages_for(local_tokens(o_.max_context)); }
 
-  int admit();  // a free slot; Error when every slot is taken
+  // A free slot, with the pages of its first `reserve_tokens` positions set aside for it: a server admits a
+  // request with its worst case (prompt + max_tokens) so that it never runs out of pages later. Error when every
+  // slot is taken or the free pages that no other request has set aside are too few.
+  int admit(int64_t reserve_tokens = 0);
+  // Whether admit(reserve_tokens) would succeed now, and whether it could on an empty table.
+  bool can_admit(int64_t reserve_tokens) const;
+  bool fits(int64_t tokens) const;
+  // Pages set aside by admitted requests and not yet held by them.
+  int64_t reserved_pages() const;
   void release(int slot);
   void check_slot(int slot, const char* what) const;
   int64_t length(int slot) const;
@@ -71,6 +79,7 @@ class SlotTable {
     bool active = false;
     int64_t length = 0;
     int pending_q = 0;
+    int64_t reserved = 0;        // pages set aside at admission (held ones count against it)
     std::vector<int32_t> pages;  // block table: page ids of local positions [j ps, (j+1) ps)
   };
   void resize(Slot& s, int64_t tokens);  // the block table for positions < tokens

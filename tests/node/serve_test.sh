@@ -39,7 +39,7 @@ start() {  # start LOG ARGS...: a server on a free port; its URL goes to LOG.url
   grep -o 'http://[0-9.]*:[0-9]*' "$log" | head -1 >"$log.url"
 }
 start "$work/small.log" --model "$work/small" --max-slots 8 --max-queue 64 --draft 4
-start "$work/tiny.log" --max-slots 4 --max-context 256 --max-queue 8
+start "$work/tiny.log" --max-slots 4 --max-context 256 --kv-pages 40 --page-size 16 --max-queue 8
 small_url=$(cat "$work/small.log.url")
 tiny_url=$(cat "$work/tiny.log.url")
 echo "small: $small_url  tiny: $tiny_url"

@@ -37,7 +37,9 @@ class GpuDecoder : public Decoder {
   int max_slots() const override { return options_.max_slots; }
   int max_q() const override { return options_.max_q; }
   int64_t max_context() const override { return options_.max_context; }
-  int admit() override { return rank_->admit(); }
+  int admit(int64_t reserve_tokens) override { return rank_->admit(reserve_tokens); }
+  bool can_admit(int64_t tokens) const override { return rank_->can_admit(tokens); }
+  bool fits(int64_t tokens) const override { return rank_->fits(tokens); }
   void release(int slot) override { rank_->release(slot); }
   std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override;
   std::vector<int32_t> step_greedy(std::span<const int> slots, int q, std::span<const int32_t> tokens) override;

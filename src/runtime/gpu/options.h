@@ -17,6 +17,7 @@ struct GpuRankOptions {
   int max_q = 16;               // tokens per request per step
   int64_t max_context = 512;
   int page_size = 64;
+  int64_t num_pages = 0;        // KV pages (0: enough for every slot at max_context)
   ShardSpec shard;              // the split of the weights
   bool loopback = false;        // collectives move bytes only (tp_size / world_size > 1)
   RankGroups* groups = nullptr; // real collectives: this rank's device comms (outlive the GpuRank)

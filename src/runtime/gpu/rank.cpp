@@ -20,7 +20,7 @@ namespace cu = ops::cuda;
 
 namespace {
 SlotTableOptions table_options(const GpuRankOptions& o, const GpuDims& d, const RankGroups* g) {
-  return {o.max_slots, o.max_context, o.max_q, o.page_size, 0, d.Dc, d.Dc > 1 ? g->dcp->rank() : 0};
+  return {o.max_slots, o.max_context, o.max_q, o.page_size, o.num_pages, d.Dc, d.Dc > 1 ? g->dcp->rank() : 0};
 }
 }  // namespace
 
@@ -85,8 +85,8 @@ GpuRank::~GpuRank() {
   if (pinned_) cudaFreeHost(pinned_);
 }
 
-int GpuRank::admit() {
-  const int s = table_.admit();
+int GpuRank::admit(int64_t reserve_tokens) {
+  const int s = table_.admit(reserve_tokens);
   caches_.reset_slot(s, ctx_.stream);
   return s;
 }

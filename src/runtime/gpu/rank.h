@@ -58,7 +58,9 @@ class GpuRank final : private StepBackend {
   ~GpuRank() override;
 
   const GpuRankOptions& options() const { return o_; }
-  int admit();
+  int admit(int64_t reserve_tokens = 0);  // SlotTable::admit
+  bool can_admit(int64_t tokens) const { return table_.can_admit(tokens); }
+  bool fits(int64_t tokens) const { return table_.fits(tokens); }
   void release(int slot);
   int64_t length(int slot) const { return table_.length(slot); }
   // Benchmarks: gives a request `length` cached tokens without running them
