@@ -13,6 +13,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <cstdlib>
+#include <cstdio>
 #include <numeric>
 #include <vector>
 
@@ -496,6 +499,17 @@ TEST(CudaEmbedding, CopiesRowsExactly) {
 // ---------------------------------------------------------------------------------------------
 // sample_rows
 
+// Prints a result line, and appends it to $OUT/sampling_timing.txt when OUT is set (the device runner's
+// result folder: the lines come back even when the console output is cut).
+void report(const char* line) {
+  std::fputs(line, stdout);
+  if (const char* dir = std::getenv("OUT"))
+    if (FILE* f = std::fopen((std::string(dir) + "/sampling_timing.txt").c_str(), "a")) {
+      std::fputs(line, f);
+      std::fclose(f);
+    }
+}
+
 // Whether a row's outcome sits within `eps` of a boundary of the CPU's float64 sums (where the kernel's FP32
 // masses may decide otherwise): the top-p mass at the kept set's edge vs top_p, the draft's p_kept vs
 // u_accept, or a cumulative (id order, over the kept set or its residual) vs u_draw.
@@ -609,8 +623,10 @@ TEST(CudaSampling, MatchesCpuOp) {
       }
     }
   }
-  std::printf("[ gpu ] sample_rows: %d rows, %d drafts accepted, %d differ from the CPU (all at a boundary)\n", total,
-              accepted, boundary);
+  char line[200];
+  std::snprintf(line, sizeof line, "[ gpu ] sample_rows: %d rows, %d drafts accepted, %d differ from the CPU\n", total,
+                accepted, boundary);
+  report(line);
   EXPECT_LE(boundary * 100, total);  // at most 1%
   EXPECT_GT(accepted, 20);
 }
@@ -649,9 +665,11 @@ TEST(CudaSampling, Timing) {
       float ms = 0;
       cudaEventElapsedTime(&ms, e0, e1);
       const double us = 1e3 * ms / iters, floor_us = 1e6 * rows * V * 4.0 / 4.4e12;
-      std::printf("[ gpu ] sample_rows V %lld rows %lld %s: %.1f us (HBM floor of one read %.2f us, %.1fx)\n",
-                  static_cast<long long>(V), static_cast<long long>(rows), T == 0 ? "greedy" : "T 0.7 top_p 0.9 draft",
-                  us, floor_us, us / floor_us);
+      char line[200];
+      std::snprintf(line, sizeof line, "[ gpu ] sample_rows V %lld rows %lld %s: %.1f us (HBM floor of one read %.2f us, %.1fx)\n",
+                    static_cast<long long>(V), static_cast<long long>(rows), T == 0 ? "greedy" : "T 0.7 top_p 0.9 draft",
+                    us, floor_us, us / floor_us);
+      report(line);
       cudaEventDestroy(e0);
       cudaEventDestroy(e1);
     }
