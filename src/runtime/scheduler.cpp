@@ -2,8 +2,6 @@
 #include "runtime/scheduler.h"
 
 #include <algorithm>
-#include <cmath>
-#include <numeric>
 
 #include "ops/sampling.h"
 
