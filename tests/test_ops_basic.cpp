@@ -585,154 +585,233 @@ TEST(OpsEmbedding, OutOfRangeIdThrowsAndLeavesOutUntouched) {
 // ---------------------------------------------------------------------------------------------
 // Sampling
 
+namespace sampling_ref {
+
+using k3::ops::SampleResult;
+using k3::ops::SampleSpec;
+
+SampleResult one(const std::vector<float>& logits, const SampleSpec& s) {
+  SampleResult r;
+  k3::ops::sample_rows(logits.data(), 1, static_cast<int64_t>(logits.size()), &s, &r);
+  return r;
+}
+
+SampleSpec spec(float T, float top_p, int32_t draft = -1, double ua = 0.0, double ud = 0.0, bool lp = false) {
+  SampleSpec s;
+  s.temperature = T;
+  s.top_p = top_p;
+  s.draft = draft;
+  s.u_accept = ua;
+  s.u_draw = ud;
+  s.logprob = lp;
+  return s;
+}
+
+// The kept distribution from the math, in float64: p = softmax(l / T); sort by (p desc, id asc); the smallest
+// prefix whose mass reaches top_p (top_p = 1: all); renormalized. Zero outside the kept set.
+std::vector<double> kept_probs(const std::vector<float>& l, double T, double top_p) {
+  const size_t V = l.size();
+  const double mx = *std::max_element(l.begin(), l.end());
+  std::vector<double> p(V);
+  double z = 0;
+  for (size_t i = 0; i < V; ++i) z += p[i] = std::exp((l[i] - mx) / T);
+  std::vector<size_t> order(V);
+  for (size_t i = 0; i < V; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return p[a] > p[b]; });
+  std::vector<double> q(V, 0.0);
+  double kept = 0;
+  size_t k = 0;
+  if (top_p >= 1.0) {
+    k = V;
+    kept = z;
+  } else {
+    while (k < V && kept < top_p * z) kept += p[order[k++]];
+  }
+  for (size_t j = 0; j < k; ++j) q[order[j]] = p[order[j]] / kept;
+  return q;
+}
+
+// The first id (in id order) of positive q whose cumulative exceeds u * sum(q); the last such id if none.
+int32_t walk(const std::vector<double>& q, double u) {
+  double total = 0;
+  for (double v : q) total += v;
+  double cum = 0;
+  int32_t last = -1;
+  for (size_t i = 0; i < q.size(); ++i) {
+    if (q[i] <= 0) continue;
+    cum += q[i];
+    last = static_cast<int32_t>(i);
+    if (cum > u * total) break;
+  }
+  return last;
+}
+
+}  // namespace sampling_ref
+
 TEST(OpsSampling, GreedyArgmaxTiesToLowerId) {
+  using namespace sampling_ref;
   Rng rng(501);
   for (int64_t vocab : {int64_t{1}, int64_t{7}, int64_t{300}, int64_t{4097}}) {
     auto logits = rand_f32(rng, vocab, 3.0);
     int64_t best = 0;
     for (int64_t i = 0; i < vocab; ++i) best = logits[i] > logits[best] ? i : best;
-    EXPECT_EQ(k3::ops::sample_greedy(logits.data(), vocab), best);
+    EXPECT_EQ(one(logits, spec(0, 1)).token, best);
+    // A greedy draft is accepted iff it is the argmax; the uniforms do not matter.
+    EXPECT_EQ(one(logits, spec(0, 1, static_cast<int32_t>(best), 0.99, 0.5)).accepted, 1);
+    if (vocab > 1) EXPECT_EQ(one(logits, spec(0, 1, static_cast<int32_t>((best + 1) % vocab), 0.0, 0.0)).accepted, 0);
   }
-  std::vector<float> tie = {0.5f, 2.0f, -1.0f, 2.0f, 2.0f, 1.9f};
-  EXPECT_EQ(k3::ops::sample_greedy(tie.data(), 6), 1);
-  std::vector<float> last = {-3.0f, -2.0f, -1.0f};
-  EXPECT_EQ(k3::ops::sample_greedy(last.data(), 3), 2);
-  std::vector<float> negtie = {-5.0f, -4.0f, -4.0f};
-  EXPECT_EQ(k3::ops::sample_greedy(negtie.data(), 3), 1);
+  EXPECT_EQ(one({0.5f, 2.0f, -1.0f, 2.0f, 2.0f, 1.9f}, spec(0, 1)).token, 1);
+  EXPECT_EQ(one({-3.0f, -2.0f, -1.0f}, spec(0, 1)).token, 2);
+  EXPECT_EQ(one({-5.0f, -4.0f, -4.0f}, spec(0, 1)).token, 1);
+  // NaN is -inf (never chosen, also at id 0); +inf is the largest; all -inf gives 0, sampled or not.
+  EXPECT_EQ(one({NAN, -4.0f, -3.0f}, spec(0, 1)).token, 2);
+  EXPECT_EQ(one({NAN, -4.0f, -3.0f}, spec(1, 1, -1, 0, 0.999)).token, 2);
+  EXPECT_EQ(one({1.0f, INFINITY, 3.0f, INFINITY}, spec(0, 1)).token, 1);
+  EXPECT_EQ(one({-INFINITY, -INFINITY}, spec(0.7f, 0.5f, -1, 0, 0.9)).token, 0);
 }
 
 TEST(OpsSampling, TinyTopPReturnsArgmax) {
+  using namespace sampling_ref;
   Rng data(502);
   for (int64_t vocab : {int64_t{2}, int64_t{7}, int64_t{300}}) {
     auto logits = rand_f32(data, vocab, 2.0);
-    const int32_t best = k3::ops::sample_greedy(logits.data(), vocab);
-    for (uint64_t seed = 0; seed < 50; ++seed) {
-      Rng rng(seed);
-      for (float t : {0.3f, 1.0f, 5.0f}) EXPECT_EQ(k3::ops::sample_top_p(logits.data(), vocab, t, 1e-6f, rng), best);
-    }
+    const int32_t best = one(logits, spec(0, 1)).token;
+    for (int i = 0; i < 50; ++i)
+      for (float t : {0.3f, 1.0f, 5.0f}) EXPECT_EQ(one(logits, spec(t, 1e-6f, -1, 0, data.uniform())).token, best);
   }
-  // A tie for the maximum goes to the lower id.
-  std::vector<float> tie = {0.1f, 3.0f, 3.0f, -1.0f};
-  for (uint64_t seed = 0; seed < 50; ++seed) {
-    Rng rng(seed);
-    EXPECT_EQ(k3::ops::sample_top_p(tie.data(), 4, 1.0f, 1e-6f, rng), 1);
-  }
+  for (int i = 0; i < 50; ++i)  // a tie for the maximum goes to the lower id
+    EXPECT_EQ(one({0.1f, 3.0f, 3.0f, -1.0f}, spec(1.0f, 1e-6f, -1, 0, data.uniform())).token, 1);
 }
 
-TEST(OpsSampling, SameSeedSameSequence) {
-  Rng data(503);
-  const int64_t vocab = 300;
-  auto logits = rand_f32(data, vocab, 1.0);
-  auto draw = [&](uint64_t seed) {
-    Rng rng(seed);
-    std::vector<int32_t> s;
-    for (int i = 0; i < 200; ++i) s.push_back(k3::ops::sample_top_p(logits.data(), vocab, 0.9f, 0.95f, rng));
-    return s;
-  };
-  const auto a = draw(7), b = draw(7), c = draw(8);
-  EXPECT_EQ(a, b);
-  EXPECT_NE(a, c);  // the draws depend on the rng (200 equal draws by chance is impossible here)
-}
-
-// Empirical frequencies over many draws match softmax(logits / T) (top_p = 1) or the
-// renormalized nucleus (top_p = 0.5) within 5 sigma; tokens outside the nucleus never appear.
-TEST(OpsSampling, TopPFrequenciesMatchDistribution) {
-  const std::vector<float> logits = {1.0f, 0.2f, 1.9f, -1.0f, 0.0f, 1.6f, -0.5f};
-  const int64_t V = static_cast<int64_t>(logits.size());
-  const float T = 0.8f;
-  std::vector<double> p(V);
-  double z = 0;
-  for (int64_t i = 0; i < V; ++i) z += std::exp(logits[i] / static_cast<double>(T));
-  for (int64_t i = 0; i < V; ++i) p[i] = std::exp(logits[i] / static_cast<double>(T)) / z;
-
-  const int N = 200000;
-  auto freq = [&](float top_p, uint64_t seed) {
-    Rng rng(seed);
-    std::vector<int> count(V, 0);
-    for (int n = 0; n < N; ++n) {
-      const int32_t tok = k3::ops::sample_top_p(logits.data(), V, T, top_p, rng);
-      EXPECT_TRUE(tok >= 0 && tok < V);
-      if (tok >= 0 && tok < V) ++count[tok];
-    }
-    return count;
-  };
-  auto expect_match = [&](const std::vector<int>& count, const std::vector<double>& q, const char* what) {
-    for (int64_t i = 0; i < V; ++i) {
-      if (q[i] == 0) {
-        EXPECT_EQ(count[i], 0) << what << " token " << i << " is outside the nucleus";
-        continue;
-      }
-      const double f = static_cast<double>(count[i]) / N;
-      const double sigma = std::sqrt(q[i] * (1 - q[i]) / N);
-      EXPECT_LE(std::fabs(f - q[i]), 5 * sigma) << what << " token " << i << " freq " << f << " expected " << q[i];
-    }
-  };
-  expect_match(freq(1.0f, 11), p, "top_p 1");
-
-  // Nucleus for 0.5: tokens by probability descending until the sum reaches 0.5.
-  std::vector<int64_t> order(V);
-  for (int64_t i = 0; i < V; ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
-  std::vector<double> q(V, 0.0);
-  double cum = 0;
-  size_t k = 0;
-  while (cum < 0.5) cum += p[order[k++]];
-  // Not near the boundary, so the nucleus is unambiguous: here it is tokens 2 and 5.
-  ASSERT_EQ(k, 2u);
-  ASSERT_GT(cum - 0.5, 0.05);
-  ASSERT_GT(0.5 - p[order[0]], 0.05);
-  for (size_t j = 0; j < k; ++j) q[order[j]] = p[order[j]] / cum;
-  expect_match(freq(0.5f, 12), q, "top_p 0.5");
-}
-
-// The documented draw, token for token, on a large vocabulary with tied logits: sort by
-// (probability desc, id asc), keep the smallest prefix reaching top_p, walk its
-// cumulative probabilities up to u * (kept mass) with u = rng.uniform(), one draw per call.
-TEST(OpsSampling, TopPFollowsTheDocumentedDraw) {
+// sample_rows against the float64 reference written from the math above: random logits (some with many
+// ties), several T / top_p, no draft, a random draft, the argmax as the draft; ids and flags exact, the
+// log-prob against the log-softmax. Several rows per call (each row its own spec).
+TEST(OpsSampling, MatchesFloat64Reference) {
+  using namespace sampling_ref;
   Rng data(505);
-  const int64_t V = 5003;
-  std::vector<float> logits(V);
-  for (auto& l : logits) l = std::round(static_cast<float>(data.normal() * 3.0) * 4.0f) / 4.0f;  // many ties
-  for (float T : {0.6f, 1.3f}) {
-    std::vector<double> p(V);
-    double mx = *std::max_element(logits.begin(), logits.end()), z = 0;
-    for (int64_t i = 0; i < V; ++i) z += p[i] = std::exp((logits[i] - mx) / T);
-    std::vector<int64_t> order(V);
-    for (int64_t i = 0; i < V; ++i) order[i] = i;
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return p[a] > p[b]; });
-    for (float top_p : {0.05f, 0.3f, 0.9f, 1.0f}) {
-      size_t keep = 0;
-      double kept = 0;
-      while (keep < order.size() && kept < top_p * z) kept += p[order[keep++]];
-      for (uint64_t seed = 0; seed < 40; ++seed) {
-        Rng ours(seed), theirs(seed);
-        const double target = ours.uniform() * kept;
-        int64_t want = order[keep - 1];
-        double cum = 0;
-        for (size_t i = 0; i < keep; ++i) {
-          cum += p[order[i]];
-          if (target < cum) {
-            want = order[i];
-            break;
+  int sampled = 0, accepted = 0, rejected = 0;
+  for (int64_t V : {int64_t{7}, int64_t{300}, int64_t{5003}}) {
+    for (bool ties : {false, true}) {
+      std::vector<float> l(static_cast<size_t>(V));
+      for (auto& x : l) {
+        x = static_cast<float>(data.normal() * 3.0);
+        if (ties) x = std::round(x * 4.0f) / 4.0f;
+      }
+      const int32_t best = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+      double mx = l[best], z1 = 0;
+      for (float x : l) z1 += std::exp(x - mx);
+      std::vector<SampleSpec> specs;
+      std::vector<int32_t> want_tok, want_acc;
+      for (float T : {0.0f, 0.6f, 1.3f}) {
+        for (float top_p : {0.05f, 0.3f, 0.9f, 1.0f}) {
+          const std::vector<double> q = T > 0 ? kept_probs(l, T, top_p) : std::vector<double>{};
+          for (int rep = 0; rep < 12; ++rep) {
+            const int32_t draft = rep % 3 == 0 ? -1 : rep % 3 == 1 ? static_cast<int32_t>(data.below(V)) : best;
+            const double ua = data.uniform(), ud = data.uniform();
+            specs.push_back(spec(T, top_p, draft, ua, ud, true));
+            int32_t tok;
+            int32_t acc = 0;
+            if (T == 0) {
+              tok = best;
+              acc = draft == best;
+            } else if (draft >= 0 && ua < q[draft]) {
+              tok = draft;
+              acc = 1;
+            } else {
+              std::vector<double> res = q;
+              if (draft >= 0) res[draft] = 0;
+              tok = walk(res, ud);
+            }
+            want_tok.push_back(tok);
+            want_acc.push_back(acc);
           }
         }
-        ASSERT_EQ(k3::ops::sample_top_p(logits.data(), V, T, top_p, theirs), want)
-            << "T " << T << " top_p " << top_p << " seed " << seed;
-        ASSERT_EQ(ours.next_u64(), theirs.next_u64()) << "one uniform per draw";
+      }
+      std::vector<SampleResult> got(specs.size());
+      k3::ops::sample_rows(nullptr, 0, V, nullptr, nullptr);  // zero rows: nothing read
+      std::vector<float> rows;
+      for (size_t i = 0; i < specs.size(); ++i) rows.insert(rows.end(), l.begin(), l.end());
+      k3::ops::sample_rows(rows.data(), static_cast<int64_t>(specs.size()), V, specs.data(), got.data());
+      for (size_t i = 0; i < specs.size(); ++i) {
+        SCOPED_TRACE(testing::Message() << "V " << V << " ties " << ties << " T " << specs[i].temperature << " top_p "
+                                        << specs[i].top_p << " draft " << specs[i].draft << " row " << i);
+        ASSERT_EQ(got[i].token, want_tok[i]);
+        ASSERT_EQ(got[i].accepted, want_acc[i]);
+        EXPECT_NEAR(got[i].logprob, l[want_tok[i]] - mx - std::log(z1), 1e-5);
+        sampled += specs[i].temperature > 0;
+        accepted += specs[i].draft >= 0 && want_acc[i];
+        rejected += specs[i].draft >= 0 && !want_acc[i];
       }
     }
   }
+  EXPECT_GT(sampled, 400);
+  EXPECT_GT(accepted, 50);  // both branches of the rule are exercised
+  EXPECT_GT(rejected, 50);
 }
 
-TEST(OpsSampling, BadParametersThrow) {
-  std::vector<float> logits = {0.5f, 1.0f, -0.25f};
-  Rng rng(504);
-  for (float t : {0.0f, -1.0f, NAN, INFINITY, -INFINITY})
-    EXPECT_THROW(k3::ops::sample_top_p(logits.data(), 3, t, 0.9f, rng), k3::Error) << t;
-  for (float tp : {0.0f, -0.1f, 1.0001f, 2.0f, NAN, INFINITY, -INFINITY}) {
-    EXPECT_THROW(k3::ops::sample_top_p(logits.data(), 3, 1.0f, tp, rng), k3::Error) << tp;
+// The rejection rule keeps the distribution: whatever the draft (none, inside or outside the kept set), the
+// output token's frequencies over many (u_accept, u_draw) pairs match p_kept (chi-square, df = |K| - 1), tokens
+// outside K never appear, and a draft is accepted at rate p_kept(draft).
+TEST(OpsSampling, RejectionRulePreservesTheDistribution) {
+  using namespace sampling_ref;
+  const std::vector<float> logits = {1.0f, 0.2f, 1.9f, -1.0f, 0.0f, 1.6f, -0.5f};
+  const int V = static_cast<int>(logits.size());
+  const int N = 100000;
+  Rng rng(506);
+  for (float top_p : {1.0f, 0.8f}) {
+    const float T = 0.8f;
+    const std::vector<double> q = kept_probs(logits, T, top_p);
+    int kept = 0;
+    for (double v : q) kept += v > 0;
+    ASSERT_EQ(kept, top_p < 1 ? 3 : V);
+    for (int32_t draft = -1; draft < V; ++draft) {
+      std::vector<int> count(V, 0);
+      int acc = 0;
+      for (int n = 0; n < N; ++n) {
+        const SampleSpec s = spec(T, top_p, draft, rng.uniform(), rng.uniform());
+        const SampleResult r = one(logits, s);
+        ASSERT_TRUE(r.token >= 0 && r.token < V);
+        ++count[r.token];
+        acc += r.accepted;
+      }
+      double chi2 = 0;
+      for (int i = 0; i < V; ++i) {
+        if (q[i] == 0) {
+          EXPECT_EQ(count[i], 0) << "draft " << draft << ": token " << i << " is outside the kept set";
+          continue;
+        }
+        const double e = q[i] * N;
+        chi2 += (count[i] - e) * (count[i] - e) / e;
+      }
+      // df <= 6: P(chi2 > 40) < 1e-6.
+      EXPECT_LT(chi2, 40.0) << "top_p " << top_p << " draft " << draft;
+      if (draft >= 0) {
+        const double pa = q[draft], sigma = std::sqrt(pa * (1 - pa) / N) + 1e-12;
+        EXPECT_LE(std::fabs(static_cast<double>(acc) / N - pa), 5 * sigma + 1e-9) << "draft " << draft;
+      }
+    }
   }
-  EXPECT_NO_THROW(k3::ops::sample_top_p(logits.data(), 3, 1e-3f, 1.0f, rng));
+  // The test can fail: a rule that always accepts an outside-K draft's neighbour would skew the counts; here a
+  // biased stream (u_draw in [0, 0.5)) must be caught by the same statistic.
+  const std::vector<double> q = kept_probs(logits, 0.8f, 1.0f);
+  std::vector<int> count(V, 0);
+  for (int n = 0; n < N; ++n) ++count[one(logits, spec(0.8f, 1.0f, -1, 0, 0.5 * rng.uniform())).token];
+  double chi2 = 0;
+  for (int i = 0; i < V; ++i) chi2 += (count[i] - q[i] * N) * (count[i] - q[i] * N) / (q[i] * N);
+  EXPECT_GT(chi2, 40.0);
+}
+
+TEST(OpsSampling, BadSpecsThrow) {
+  using namespace sampling_ref;
+  const std::vector<float> logits = {0.5f, 1.0f, -0.25f};
+  for (float t : {-1.0f, NAN, INFINITY, -INFINITY}) EXPECT_THROW(one(logits, spec(t, 0.9f)), k3::Error) << t;
+  for (float tp : {0.0f, -0.1f, 1.0001f, NAN, INFINITY}) EXPECT_THROW(one(logits, spec(1, tp)), k3::Error) << tp;
+  for (int32_t d : {-2, 3, 100}) EXPECT_THROW(one(logits, spec(1, 1, d)), k3::Error) << d;
+  for (double u : {-0.1, 1.0, 2.0, double(NAN)}) {
+    EXPECT_THROW(one(logits, spec(1, 1, 0, u, 0.5)), k3::Error) << u;
+    EXPECT_THROW(one(logits, spec(1, 1, 0, 0.5, u)), k3::Error) << u;
+  }
+  EXPECT_NO_THROW(one(logits, spec(1e-3f, 1.0f, 2, 0.999, 0.999)));
 }
 
 // The parameters as a caller (the CLI) gives them: temperature 0 is greedy, so allowed there; NaN, inf and

@@ -1,9 +1,8 @@
-// top_p computes the softmax in double and orders by (probability desc, id asc);
-// exactly one rng.uniform() is drawn per call. NaN or +inf logits are an Error
-// (-inf masks a token).
+// sample_rows on the CPU (ops/sampling.h), written plainly: double sums, a full sort for the kept set.
 #include "ops/sampling.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <numeric>
 #include <vector>
@@ -12,15 +11,6 @@
 
 namespace k3::ops {
 
-int32_t sample_greedy(const float* logits, int64_t vocab) {
-  K3_CHECK(vocab > 0, "sample_greedy: vocab {} must be positive", vocab);
-  int64_t best = 0;
-  for (int64_t i = 1; i < vocab; ++i) {
-    if (logits[i] > logits[best]) best = i;  // strict: ties keep the lower id
-  }
-  return static_cast<int32_t>(best);
-}
-
 void check_sampling_params(float temperature, float top_p) {
   K3_CHECK(std::isfinite(temperature) && temperature >= 0.0f,
            "temperature {} must be a finite number >= 0 (0 = greedy)", temperature);
@@ -28,45 +18,94 @@ void check_sampling_params(float temperature, float top_p) {
            top_p);
 }
 
-int32_t sample_top_p(const float* logits, int64_t vocab, float temperature, float top_p, Rng& rng) {
-  K3_CHECK(vocab > 0, "sample_top_p: vocab {} must be positive", vocab);
-  check_sampling_params(temperature, top_p);
-  K3_CHECK(temperature > 0.0f, "sample_top_p: temperature {} must be > 0", temperature);
+void check_specs(const SampleSpec* spec, int64_t rows, int64_t vocab) {
+  K3_CHECK(vocab > 0 && vocab <= 0x7fffffff, "sample_rows: vocab {} must be in 1..2^31-1", vocab);
+  K3_CHECK(rows >= 0, "sample_rows: rows {} must be >= 0", rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const SampleSpec& s = spec[r];
+    check_sampling_params(s.temperature, s.top_p);
+    K3_CHECK(s.draft >= -1 && s.draft < vocab, "sample_rows: row {}: draft {} outside -1..{}", r, s.draft, vocab - 1);
+    K3_CHECK(s.u_accept >= 0.0 && s.u_accept < 1.0 && s.u_draw >= 0.0 && s.u_draw < 1.0,
+             "sample_rows: row {}: uniforms {} {} outside [0, 1)", r, s.u_accept, s.u_draw);
+  }
+}
 
-  for (int64_t i = 0; i < vocab; ++i) {
-    K3_CHECK(!std::isnan(logits[i]) && logits[i] != INFINITY, "sample_top_p: logit of token {} is {}", i, logits[i]);
-  }
-  const double m = logits[sample_greedy(logits, vocab)];
-  K3_CHECK(m != -INFINITY, "sample_top_p: every logit is -inf");
-  std::vector<double> p(static_cast<size_t>(vocab));
-  double z = 0.0;
-  for (int64_t i = 0; i < vocab; ++i) {
-    p[i] = std::exp((static_cast<double>(logits[i]) - m) / temperature);
-    z += p[i];
-  }
-  // Order (probability desc, id asc) is total, so sorting only a top-n prefix gives the
-  // same prefix as a full sort; n grows until the prefix reaches top_p.
-  std::vector<int32_t> order(static_cast<size_t>(vocab));
-  std::iota(order.begin(), order.end(), 0);
-  const auto before = [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); };
-  const double need = static_cast<double>(top_p) * z;
-  int64_t keep = 0;  // the smallest prefix of the sorted tokens whose probability reaches top_p
-  double kept = 0.0;
-  for (int64_t sorted = 0, n = std::min<int64_t>(vocab, 256); keep < vocab; n = std::min(vocab, n * 8)) {
-    if (n < vocab) std::nth_element(order.begin() + sorted, order.begin() + n, order.end(), before);
-    std::sort(order.begin() + sorted, order.begin() + n, before);
-    sorted = n;
-    while (keep < sorted && kept < need) kept += p[order[keep++]];
-    if (kept >= need) break;
-  }
+namespace {
 
-  const double target = rng.uniform() * kept;
-  double cum = 0.0;
-  for (int64_t i = 0; i < keep; ++i) {
-    cum += p[order[i]];
-    if (target < cum) return order[i];
+float clean(float v) { return std::isnan(v) ? -INFINITY : v == INFINITY ? FLT_MAX : v; }
+
+SampleResult sample_row(const float* raw, int64_t V, const SampleSpec& s) {
+  std::vector<float> l(static_cast<size_t>(V));
+  for (int64_t i = 0; i < V; ++i) l[i] = clean(raw[i]);
+  int64_t best = 0;
+  for (int64_t i = 1; i < V; ++i)
+    if (l[i] > l[best]) best = i;  // strict: ties keep the lower id
+  const double m = l[best];
+  SampleResult out;
+  if (s.temperature == 0.0f || m == -INFINITY) {
+    out.token = static_cast<int32_t>(best);
+    out.accepted = s.draft == out.token;
+  } else {
+    const double T = s.temperature;
+    std::vector<double> p(static_cast<size_t>(V));
+    double z = 0.0;
+    for (int64_t i = 0; i < V; ++i) z += p[i] = std::exp((l[i] - m) / T);
+    std::vector<char> kept(static_cast<size_t>(V), 1);
+    double kept_mass = z;
+    if (s.top_p < 1.0f) {
+      std::vector<int32_t> order(static_cast<size_t>(V));
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+      std::fill(kept.begin(), kept.end(), 0);
+      const double need = static_cast<double>(s.top_p) * z;
+      kept_mass = 0.0;
+      for (int64_t k = 0; k < V && kept_mass < need; ++k) {
+        kept[order[k]] = 1;
+        kept_mass += p[order[k]];
+      }
+    }
+    int32_t skip = -1;  // the rejected draft
+    double mass = kept_mass;
+    if (s.draft >= 0) {
+      const double pd = kept[s.draft] ? p[s.draft] / kept_mass : 0.0;
+      if (s.u_accept < pd) {
+        out.token = s.draft;
+        out.accepted = 1;
+      } else {
+        skip = s.draft;
+        if (kept[s.draft]) mass -= p[s.draft];
+      }
+    }
+    if (!out.accepted) {
+      const double target = s.u_draw * mass;
+      double cum = 0.0;
+      int64_t pick = -1;
+      for (int64_t i = 0; i < V; ++i) {
+        if (!kept[i] || i == skip || p[i] <= 0.0) continue;
+        cum += p[i];
+        pick = i;  // the last kept one when rounding leaves target >= the final cumulative
+        if (cum > target) break;
+      }
+      out.token = static_cast<int32_t>(pick >= 0 ? pick : best);
+    }
   }
-  return order[keep - 1];
+  if (s.logprob) {
+    if (m == -INFINITY) {
+      out.logprob = -INFINITY;
+    } else {
+      double z1 = 0.0;
+      for (int64_t i = 0; i < V; ++i) z1 += std::exp(l[i] - m);
+      out.logprob = static_cast<float>(l[out.token] - m - std::log(z1));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void sample_rows(const float* logits, int64_t rows, int64_t vocab, const SampleSpec* spec, SampleResult* out) {
+  check_specs(spec, rows, vocab);
+  for (int64_t r = 0; r < rows; ++r) out[r] = sample_row(logits + r * vocab, vocab, spec[r]);
 }
 
 }  // namespace k3::ops

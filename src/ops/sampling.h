@@ -1,31 +1,69 @@
-// Token sampling from FP32 logits.
-//   greedy: argmax (ties to the lower token id).
-//   top_p:  probs = softmax(logits / temperature); keep the smallest set of tokens
-//           with the highest probabilities whose sum >= top_p (ties in probability
-//           to the lower id), renormalize, draw with u = rng.uniform().
-//           Seeded: the same (logits, params, rng state) always gives the same token.
+// Token sampling from FP32 logits, one spec per row (ops::sample_rows): greedy, nucleus (top-p) sampling
+// and the rejection rule of a draft token, with the row's log-probability; a CPU reference and the CUDA
+// kernel that runs on logits already on the device (only the small per-row records move).
+//
+// Row r of logits [rows, V] under spec[r]:
+//   Values: NaN counts as -inf (never chosen), +inf as the largest finite float.
+//   Greedy (temperature 0): token = argmax (ties to the lower id). accepted = (token == draft).
+//   Sampled (temperature T > 0): p_i = exp((l_i - max) / T).
+//     Kept set K: order the tokens by probability descending, ties in probability to the lower id (p is
+//       monotone in the logit: by logit descending, then id); K is the smallest prefix of that order whose
+//       mass reaches top_p * sum(p). top_p = 1 keeps every token. kept_mass = sum over K of p.
+//     Draw with u in [0, 1) from a set S with mass M: walk the tokens of S IN ID ORDER accumulating p and
+//       take the first whose cumulative mass exceeds u * M (not in probability order: the device then needs
+//       no sort, only a prefix scan over ids).
+//     No draft (draft = -1): token = the draw from K with u_draw.
+//     Draft d: accepted iff u_accept < p_K(d) = p_d / kept_mass (0 when d is outside K): token = d;
+//       else token = the draw from K \ {d} (the residual) with u_draw. Whatever the draft, the token's
+//       distribution is p_K (the standard rule for a deterministic draft).
+//   A row whose every logit is -inf (or NaN) is greedy: token 0.
+//   logprob (when asked, else 0): log p(token) under softmax of the raw logits (temperature 1).
+// The uniforms come from the caller (two per row, always both drawn): the result is a pure function of
+// (logits, spec), the same on the CPU and the GPU up to rounding.
+//
+// The CPU op sums in double. The kernel (FP32 exp, integer fixed-point masses) gives the same ids and flags
+// except when u lands within rounding (~1e-6 of the mass) of a cumulative boundary, or the top-p mass is
+// within rounding of top_p at the kept set's edge; log-probs agree to ~1e-6 relative.
 #pragma once
 
 #include <cstdint>
 
-#include "core/rng.h"
 #include "ops/cuda_context.h"
 
 namespace k3::ops {
 
-int32_t sample_greedy(const float* logits, int64_t vocab);
+struct SampleSpec {
+  float temperature = 0.0f;  // 0: greedy
+  float top_p = 1.0f;        // (0, 1]
+  int32_t draft = -1;        // a draft token to accept or reject, -1: none
+  int32_t logprob = 0;       // nonzero: compute the log-probability of the token
+  double u_accept = 0.0;     // [0, 1): the draft's acceptance uniform
+  double u_draw = 0.0;       // [0, 1): the draw's uniform
+};
+
+struct SampleResult {
+  int32_t token = 0;
+  int32_t accepted = 0;  // 1 when the draft was accepted (token == draft)
+  float logprob = 0.0f;
+};
+
 // The sampling parameters as a caller gives them: temperature finite and >= 0 (0 = greedy), top_p finite in
 // (0, 1]. Raises a one-line k3::Error naming the parameter otherwise (NaN, inf, negative, out of range).
 void check_sampling_params(float temperature, float top_p);
-// temperature must be > 0 here (and finite), top_p as check_sampling_params.
-int32_t sample_top_p(const float* logits, int64_t vocab, float temperature, float top_p, Rng& rng);
+
+// logits [rows, vocab] -> out [rows]. Checks every spec (parameters, uniforms in [0, 1), draft in -1..vocab-1)
+// before computing anything.
+void sample_rows(const float* logits, int64_t rows, int64_t vocab, const SampleSpec* spec, SampleResult* out);
+// Those checks alone (the GPU callers run them on the host specs before uploading).
+void check_specs(const SampleSpec* spec, int64_t rows, int64_t vocab);
 
 }  // namespace k3::ops
 
 namespace k3::ops::cuda {
 
-// logits [rows, vocab] FP32 -> out [rows] int32: the CPU sample_greedy per row (argmax, ties to the lower id;
-// NaN never wins, and a NaN at id 0 gives 0 as on the CPU). One CTA per row, any vocab.
-int sample_greedy(const float* logits, int64_t rows, int64_t vocab, int32_t* out, CUstream_st* stream);
+// The same on the device: logits [rows, vocab] FP32, spec [rows] and out [rows] device pointers. One CTA of
+// 1024 threads per row, any vocab, no allocation; specs are trusted (the host checks them: check_specs).
+int sample_rows(const float* logits, int64_t rows, int64_t vocab, const SampleSpec* spec, SampleResult* out,
+                CUstream_st* stream);
 
 }  // namespace k3::ops::cuda

@@ -8,12 +8,16 @@
 
 namespace k3 {
 
-std::vector<int32_t> Decoder::step_greedy(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
-  const std::vector<float> logits = step(slots, q, tokens);
+std::vector<ops::SampleResult> Decoder::step_sample(std::span<const int> slots, int q, std::span<const int32_t> tokens,
+                                                    std::span<const ops::SampleSpec> spec) {
   const int64_t V = config().vocab_size, rows = static_cast<int64_t>(slots.size()) * q;
-  std::vector<int32_t> ids(static_cast<size_t>(rows));
-  for (int64_t r = 0; r < rows; ++r) ids[r] = ops::sample_greedy(logits.data() + r * V, V);
-  return ids;
+  K3_CHECK(static_cast<int64_t>(spec.size()) == rows, "step_sample: {} specs for {} requests x q = {}", spec.size(),
+           slots.size(), q);
+  ops::check_specs(spec.data(), rows, V);
+  const std::vector<float> logits = step(slots, q, tokens);
+  std::vector<ops::SampleResult> out(static_cast<size_t>(rows));
+  ops::sample_rows(logits.data(), rows, V, spec.data(), out.data());
+  return out;
 }
 
 namespace {
@@ -75,9 +79,16 @@ std::vector<GenerateResult> generate(Decoder& engine, const std::vector<std::vec
       r.rng = Rng(sp.seed + i);
       live.push_back(std::move(r));
     }
-  auto sample = [&](Live& r, const float* logits) {
-    const int32_t tok =
-        sp.greedy ? ops::sample_greedy(logits, V) : ops::sample_top_p(logits, V, sp.temperature, sp.top_p, r.rng);
+  // A generated token's spec: two uniforms from the request's Rng, always both.
+  auto spec_of = [&](Live& r) {
+    ops::SampleSpec s;
+    s.temperature = sp.greedy ? 0.0f : sp.temperature;
+    s.top_p = sp.greedy ? 1.0f : sp.top_p;
+    s.u_accept = r.rng.uniform();
+    s.u_draw = r.rng.uniform();
+    return s;
+  };
+  auto take = [&](Live& r, int32_t tok) {
     r.result.tokens.push_back(tok);
     if ((sp.stop_at_eos && tok == c.eos_token_id) || static_cast<int>(r.result.tokens.size()) == max_new) {
       r.result.hit_eos = sp.stop_at_eos && tok == c.eos_token_id;
@@ -95,39 +106,51 @@ std::vector<GenerateResult> generate(Decoder& engine, const std::vector<std::vec
                            [&](const Live& r) { return r.fed < prompts[r.index].size(); });
     std::vector<int> slots;
     std::vector<int32_t> tokens;
+    std::vector<ops::SampleSpec> specs;  // [rows]: greedy where no token is taken
+    std::vector<Live*> takers;           // the live request of each row that gives a token, else null
     int q = 1;
     if (feeding != live.end()) {
       const auto& p = prompts[feeding->index];
       q = static_cast<int>(std::min<size_t>(static_cast<size_t>(max_q), p.size() - feeding->fed));
       slots.push_back(feeding->slot);
       tokens.assign(p.begin() + static_cast<int64_t>(feeding->fed), p.begin() + static_cast<int64_t>(feeding->fed) + q);
+      specs.resize(static_cast<size_t>(q));
+      takers.assign(static_cast<size_t>(q), nullptr);
+      if (feeding->fed + static_cast<size_t>(q) == p.size()) {
+        specs.back() = spec_of(*feeding);
+        takers.back() = &*feeding;
+      }
     } else {
-      for (const Live& r : live)
+      for (Live& r : live)
         if (!r.done) {
           slots.push_back(r.slot);
           tokens.push_back(r.result.tokens.back());
+          specs.push_back(spec_of(r));
+          takers.push_back(&r);
         }
     }
     float active = slots.empty() ? 0.0f : 1.0f;
     engine.world_sum(&active, 1);
     if (active == 0) break;
     if (slots.empty() && L.world() == 1) break;
-    std::vector<float> logits = engine.step(slots, q, tokens);
+    std::vector<ops::SampleResult> sampled(specs.size());
+    std::vector<float> logits;
+    if (keep_logits) {
+      logits = engine.step(slots, q, tokens);
+      ops::sample_rows(logits.data(), static_cast<int64_t>(specs.size()), V, specs.data(), sampled.data());
+    } else {
+      sampled = engine.step_sample(slots, q, tokens, specs);
+    }
     engine.commit(slots, q);
     if (feeding != live.end()) {
       Live& r = *feeding;
       r.fed += static_cast<size_t>(q);
       keep(r, logits, 0, q);
-      if (r.fed == prompts[r.index].size()) sample(r, logits.data() + static_cast<int64_t>(q - 1) * V);
     } else {
-      int64_t row = 0;
-      for (Live& r : live)
-        if (!r.done) {
-          keep(r, logits, row, 1);
-          sample(r, logits.data() + row * V);
-          ++row;
-        }
+      for (size_t i = 0; i < takers.size(); ++i) keep(*takers[i], logits, static_cast<int64_t>(i), 1);
     }
+    for (size_t i = 0; i < takers.size(); ++i)
+      if (takers[i]) take(*takers[i], sampled[i].token);
   }
   for (Live& r : live) engine.release(r.slot);
 

@@ -11,13 +11,16 @@
 // The logits of request 0 are kept on request: its prompt positions first,
 // then each generated token that was fed back (the last generated token is not
 // fed back). A request stops at eos unless stop_at_eos is false. Request i
-// samples from Rng(seed + i), so results do not depend on the layout.
+// samples from Rng(seed + i), two uniforms per generated token (ops::sample_rows' u_accept, u_draw), so
+// results do not depend on the layout. Without keep_logits each step is Decoder::step_sample (on a GPU
+// the logits stay there); with it, step() and the same op on the host.
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <vector>
 
+#include "ops/sampling.h"
 #include "runtime/engine.h"
 
 namespace k3 {
@@ -57,9 +60,12 @@ class Decoder {
   virtual void release(int slot) = 0;
   // B requests x q tokens -> logits [B q, V] (every rank of the replica calls it alike).
   virtual std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) = 0;
-  // The same step, returning each row's greedy token (argmax, ties to the lower id) [B q] instead of the
-  // logits: on a GPU the logits stay on the device (only B q ids come back). Default: step() + host argmax.
-  virtual std::vector<int32_t> step_greedy(std::span<const int> slots, int q, std::span<const int32_t> tokens);
+  // The same step, returning each row's sample [B q] under spec [B q] (ops/sampling.h: greedy or top-p, a
+  // draft's rejection rule, the log-prob) instead of the logits: on a GPU the logits stay on the device and
+  // only the B q small records come back. The specs are checked before the step runs. Default: step() +
+  // ops::sample_rows on the host.
+  virtual std::vector<ops::SampleResult> step_sample(std::span<const int> slots, int q, std::span<const int32_t> tokens,
+                                                     std::span<const ops::SampleSpec> spec);
   // Commits all q tokens of the last step for each slot.
   virtual void commit(std::span<const int> slots, int q) = 0;
   // Commits the first counts[i] (1..q) tokens of the last step for slots[i]: a verify step's accepted prefix

@@ -227,6 +227,46 @@ std::vector<float> LayoutDecoder::step(std::span<const int> slots, int q, std::s
   return out;
 }
 
+std::vector<ops::SampleResult> LayoutDecoder::step_sample(std::span<const int> slots, int q,
+                                                          std::span<const int32_t> tokens,
+                                                          std::span<const ops::SampleSpec> spec) {
+  std::lock_guard<std::mutex> call(call_mu_);
+  const int B = static_cast<int>(slots.size());
+  K3_CHECK(q >= 1 && q <= max_q(), "step: q = {} outside 1..{} (max_q)", q, max_q());
+  K3_CHECK(static_cast<int64_t>(tokens.size()) == int64_t{B} * q, "step: {} tokens for {} requests x q = {}",
+           tokens.size(), B, q);
+  K3_CHECK(static_cast<int64_t>(spec.size()) == int64_t{B} * q, "step_sample: {} specs for {} requests x q = {}",
+           spec.size(), B, q);
+  for (int s : slots) check_slot(s, "step");
+  ops::check_specs(spec.data(), int64_t{B} * q, config().vocab_size);
+  if (B == 0) return {};
+  Split sp(layout_.dp);
+  std::vector<std::vector<ops::SampleSpec>> specs(static_cast<size_t>(layout_.dp));
+  for (int i = 0; i < B; ++i) {
+    const int p = slots[i] / per_replica_;
+    sp.slots[p].push_back(slots[i] % per_replica_);
+    sp.index[p].push_back(i);
+    sp.tokens[p].insert(sp.tokens[p].end(), tokens.begin() + int64_t{i} * q, tokens.begin() + int64_t{i + 1} * q);
+    specs[p].insert(specs[p].end(), spec.begin() + int64_t{i} * q, spec.begin() + int64_t{i + 1} * q);
+  }
+  std::vector<std::vector<ops::SampleResult>> got(static_cast<size_t>(layout_.dp));
+  run([&](int w, Decoder& d) {
+    const int p = layout_.replica(w);
+    std::vector<ops::SampleResult> out =
+        sp.slots[p].empty() ? d.step_sample({}, 1, {}, {}) : d.step_sample(sp.slots[p], q, sp.tokens[p], specs[p]);
+    if (layout_.tp_rank(w) == 0) got[p] = std::move(out);
+  });
+  std::vector<ops::SampleResult> out(static_cast<size_t>(int64_t{B} * q));
+  for (int p = 0; p < layout_.dp; ++p) {
+    K3_CHECK(static_cast<int64_t>(got[p].size()) == static_cast<int64_t>(sp.slots[p].size()) * q,
+             "step_sample: replica {} returned {} records for {} requests x q {}", p, got[p].size(),
+             sp.slots[p].size(), q);
+    for (size_t j = 0; j < sp.index[p].size(); ++j)
+      std::copy_n(got[p].begin() + static_cast<int64_t>(j) * q, q, out.begin() + int64_t{sp.index[p][j]} * q);
+  }
+  return out;
+}
+
 void LayoutDecoder::commit(std::span<const int> slots, int q) {
   const std::vector<int> counts(slots.size(), q);
   commit(slots, std::span<const int>(counts));

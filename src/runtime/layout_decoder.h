@@ -16,7 +16,8 @@
 // of the step's slots steps with B = 0 and q = 1, as generate() does
 // (runtime/generate.cpp). Each replica with slots steps with the given q. The
 // logits returned are those of each replica's TP rank 0, in the order of the
-// given slots. commit() runs on the replicas holding the slots.
+// given slots. step_sample splits the specs alike: every rank samples its logits (B q records back from a
+// GPU), and TP rank 0's records are returned. commit() runs on the replicas holding the slots.
 //
 // Errors: bad facade input (a slot outside 0..max_slots-1 or not admitted, a
 // token count that is not B q) is an Error before any rank is called. A rank's
@@ -64,6 +65,9 @@ class LayoutDecoder : public Decoder {
   bool fits(int64_t tokens) const override;
   void release(int slot) override;
   std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override;
+  // Each rank samples its own logits (a GpuDecoder on the device); TP rank 0's records are returned.
+  std::vector<ops::SampleResult> step_sample(std::span<const int> slots, int q, std::span<const int32_t> tokens,
+                                             std::span<const ops::SampleSpec> spec) override;
   void commit(std::span<const int> slots, int q) override;
   void commit(std::span<const int> slots, std::span<const int> counts) override;
   // The facade is the only caller of its world: a sum over one caller is the identity.

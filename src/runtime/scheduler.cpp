@@ -2,8 +2,6 @@
 #include "runtime/scheduler.h"
 
 #include <algorithm>
-#include <cmath>
-#include <numeric>
 
 #include "ops/sampling.h"
 
@@ -34,54 +32,6 @@ struct Scheduler::Live {
   Rng rng{0};
   bool done = false;
 };
-
-namespace {
-
-// log p(tok) under softmax(logits) (temperature 1), in double.
-float log_prob(const float* logits, int64_t V, int32_t tok) {
-  double m = -INFINITY;
-  for (int64_t i = 0; i < V; ++i) m = std::max(m, static_cast<double>(logits[i]));
-  double z = 0;
-  for (int64_t i = 0; i < V; ++i) z += std::exp(static_cast<double>(logits[i]) - m);
-  return static_cast<float>(static_cast<double>(logits[tok]) - m - std::log(z));
-}
-
-// The distribution ops::sample_top_p draws from: softmax(logits / T) restricted to the smallest set of
-// highest-probability tokens (ties to the lower id) reaching top_p, renormalised. Zero elsewhere.
-std::vector<double> top_p_probs(const float* logits, int64_t V, float temperature, float top_p) {
-  double m = -INFINITY;
-  for (int64_t i = 0; i < V; ++i) m = std::max(m, static_cast<double>(logits[i]));
-  std::vector<double> p(static_cast<size_t>(V));
-  double z = 0;
-  for (int64_t i = 0; i < V; ++i) z += p[i] = std::exp((static_cast<double>(logits[i]) - m) / temperature);
-  std::vector<int32_t> order(static_cast<size_t>(V));
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-  const double need = static_cast<double>(top_p) * z;
-  double kept = 0;
-  int64_t keep = 0;
-  while (keep < V && kept < need) kept += p[order[keep++]];
-  std::vector<double> q(static_cast<size_t>(V), 0.0);
-  for (int64_t i = 0; i < keep; ++i) q[order[i]] = p[order[i]] / kept;
-  return q;
-}
-
-int32_t draw(const std::vector<double>& p, Rng& rng) {
-  double total = 0;
-  for (double v : p) total += v;
-  const double target = rng.uniform() * total;
-  double cum = 0;
-  int32_t last = 0;
-  for (size_t i = 0; i < p.size(); ++i) {
-    if (p[i] <= 0) continue;
-    cum += p[i];
-    last = static_cast<int32_t>(i);
-    if (target < cum) return last;
-  }
-  return last;
-}
-
-}  // namespace
 
 Scheduler::Scheduler(Decoder& decoder, const SchedulerOptions& options) : dec_(decoder), opts_(options) {
   K3_CHECK(dec_.whole_world(), "scheduler: the decoder is one rank of a layout of {} ranks; drive the whole "
@@ -256,16 +206,16 @@ std::vector<int32_t> Scheduler::propose(const Live& r, int k) const {
   return {};
 }
 
-Scheduler::StepRows Scheduler::run_step(const std::vector<Live*>& group, const std::vector<int>& slots, int q,
-                                         const std::vector<int32_t>& tokens) {
-  StepRows out;
-  const bool greedy = std::all_of(group.begin(), group.end(),
-                                  [](const Live* r) { return r->req.sampling.greedy && !r->req.logprobs; });
-  if (greedy && !group.empty())
-    out.ids = dec_.step_greedy(slots, q, tokens);
-  else
-    out.logits = dec_.step(slots, q, tokens);
-  return out;
+ops::SampleSpec Scheduler::spec_of(const Live& r, int32_t draft, Rng& rng) {
+  ops::SampleSpec s;
+  const SamplingParams& sp = r.req.sampling;
+  s.temperature = sp.greedy ? 0.0f : sp.temperature;
+  s.top_p = sp.greedy ? 1.0f : sp.top_p;
+  s.draft = draft;
+  s.logprob = r.req.logprobs ? 1 : 0;
+  s.u_accept = rng.uniform();
+  s.u_draw = rng.uniform();
+  return s;
 }
 
 bool Scheduler::step_prefill(std::vector<Live*>& group) {
@@ -273,16 +223,16 @@ bool Scheduler::step_prefill(std::vector<Live*>& group) {
   for (Live* r : group) q = std::min<int>(q, static_cast<int>(r->req.prompt.size() - r->fed));
   std::vector<int> slots;
   std::vector<int32_t> tokens;
+  std::vector<ops::SampleSpec> specs;  // greedy, except the last row of a request whose prompt completes
   for (Live* r : group) {
     slots.push_back(r->slot);
     tokens.insert(tokens.end(), r->req.prompt.begin() + static_cast<int64_t>(r->fed),
                   r->req.prompt.begin() + static_cast<int64_t>(r->fed) + q);
+    specs.resize(specs.size() + static_cast<size_t>(q));
+    if (r->fed + static_cast<size_t>(q) == r->req.prompt.size()) specs.back() = spec_of(*r, -1, r->rng);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const StepRows out = run_step(group, slots, q, tokens);
-  const bool ids_only = !out.ids.empty();
-  const std::vector<float>& logits = out.logits;
-  const std::vector<int32_t>& ids = out.ids;
+  const std::vector<ops::SampleResult> out = dec_.step_sample(slots, q, tokens, specs);
   dec_.commit(slots, q);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   {
@@ -295,21 +245,12 @@ bool Scheduler::step_prefill(std::vector<Live*>& group) {
     m_.last_batch = static_cast<int64_t>(slots.size());
     m_.prompt_tokens += static_cast<int64_t>(slots.size()) * q;
   }
-  const int64_t V = vocab_;
   for (size_t b = 0; b < group.size(); ++b) {
     Live& r = *group[b];
     r.fed += static_cast<size_t>(q);
     if (r.fed < r.req.prompt.size()) continue;
-    const int64_t at = static_cast<int64_t>(b) * q + q - 1;
-    if (ids_only) {
-      append_token(r, ids[static_cast<size_t>(at)], 0.0f);
-    } else {
-      const float* row = logits.data() + at * V;
-      const int32_t tok = r.req.sampling.greedy
-                              ? ops::sample_greedy(row, V)
-                              : ops::sample_top_p(row, V, r.req.sampling.temperature, r.req.sampling.top_p, r.rng);
-      append_token(r, tok, r.req.logprobs ? log_prob(row, V, tok) : 0.0f);
-    }
+    const ops::SampleResult& s = out[b * static_cast<size_t>(q) + static_cast<size_t>(q) - 1];
+    append_token(r, s.token, s.logprob);
     if (!r.done) emit(r);
   }
   return true;
@@ -332,6 +273,9 @@ bool Scheduler::step_decode(std::vector<Live*>& group) {
   q = static_cast<int>(std::min<int64_t>(q, room));  // every request's q tokens must fit its cache
   std::vector<int> slots;
   std::vector<int32_t> tokens;
+  // Row j <= drafts of a request: its draft j (none at the last); the uniforms come from a copy of its
+  // stream, which advances by two per token kept. Padding rows: greedy.
+  std::vector<ops::SampleSpec> specs;
   for (size_t b = 0; b < group.size(); ++b) {
     Live& r = *group[b];
     if (static_cast<int>(drafts[b].size()) > q - 1) drafts[b].resize(static_cast<size_t>(q - 1));
@@ -339,45 +283,29 @@ bool Scheduler::step_decode(std::vector<Live*>& group) {
     tokens.push_back(r.out.back());
     tokens.insert(tokens.end(), drafts[b].begin(), drafts[b].end());
     for (int j = 1 + static_cast<int>(drafts[b].size()); j < q; ++j) tokens.push_back(r.out.back());  // padding
+    Rng peek = r.rng;
+    for (size_t j = 0; j <= drafts[b].size(); ++j)
+      specs.push_back(spec_of(r, j < drafts[b].size() ? drafts[b][j] : -1, peek));
+    specs.resize(specs.size() + static_cast<size_t>(q) - 1 - drafts[b].size());
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const StepRows out = run_step(group, slots, q, tokens);
-  const bool ids_only = !out.ids.empty();
-  const std::vector<float>& logits = out.logits;
-  const std::vector<int32_t>& ids = out.ids;
-  const int64_t V = vocab_;
+  const std::vector<ops::SampleResult> out = dec_.step_sample(slots, q, tokens, specs);
   std::vector<int> counts(group.size(), 1);
   int64_t produced = 0, proposed = 0, accepted = 0;
   double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   for (size_t b = 0; b < group.size(); ++b) {
     Live& r = *group[b];
     const auto& d = drafts[b];
-    const SamplingParams& sp = r.req.sampling;
     proposed += static_cast<int64_t>(d.size());
     int n = 0;
     for (size_t j = 0; j <= d.size() && !r.done; ++j) {
-      const int64_t at = static_cast<int64_t>(b) * q + static_cast<int64_t>(j);
-      const float* row = ids_only ? nullptr : logits.data() + at * V;
-      int32_t tok;
-      bool take_draft = false;
-      if (sp.greedy) {
-        tok = ids_only ? ids[static_cast<size_t>(at)] : ops::sample_greedy(row, V);
-        take_draft = j < d.size() && tok == d[j];
-      } else if (j == d.size()) {
-        tok = ops::sample_top_p(row, V, sp.temperature, sp.top_p, r.rng);
-      } else {
-        std::vector<double> p = top_p_probs(row, V, sp.temperature, sp.top_p);
-        if (r.rng.uniform() < p[d[j]]) {
-          tok = d[j];
-          take_draft = true;
-        } else {
-          p[d[j]] = 0;  // the residual: p without the draft, renormalised by draw()
-          tok = draw(p, r.rng);
-        }
-      }
+      const ops::SampleResult& s = out[b * static_cast<size_t>(q) + j];
+      const bool take_draft = j < d.size() && s.accepted;
       ++n;
+      r.rng.uniform();  // the row's two uniforms
+      r.rng.uniform();
       accepted += take_draft;
-      append_token(r, tok, r.req.logprobs ? log_prob(row, V, tok) : 0.0f);
+      append_token(r, s.token, s.logprob);
       if (!take_draft) break;
     }
     counts[b] = n;

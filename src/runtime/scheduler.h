@@ -31,10 +31,16 @@
 // renormalised: the output distribution is p's (the standard rule for a
 // deterministic draft).
 //
-// Per-request sampling draws from Rng(seed) of the request only, so a request's
-// tokens never depend on the other requests of its steps (greedy: each row's
-// logits do not depend on the others'; tested). Log-probabilities are those of
-// the model's raw distribution (log-softmax of the logits, temperature 1).
+// Every step is one Decoder::step_sample: each row's spec (ops/sampling.h) goes
+// down, and the row's token, whether its draft was accepted and its log-prob
+// come back (on a GPU the logits never leave the device). Rows that give no
+// token (prompt rows before the last, padding) are greedy specs.
+//
+// Per-request sampling draws from Rng(seed) of the request only, two uniforms
+// per generated token (as generate() does), so a request's tokens never depend
+// on the other requests of its steps (greedy: each row's logits do not depend
+// on the others'; tested). Log-probabilities are those of the model's raw
+// distribution (log-softmax of the logits, temperature 1).
 //
 // Admission: a request is refused (SubmitError) when it can never run (empty
 // prompt, token id outside the vocabulary, prompt + max_tokens - 1 over the
@@ -58,6 +64,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "ops/sampling.h"
 #include "runtime/generate.h"
 
 namespace k3 {
@@ -143,14 +150,10 @@ class Scheduler {
   void emit(Live& r);  // the new tokens no stop sequence may still claim
   void reap();         // releases the slots of finished requests
   void append_token(Live& r, int32_t tok, float logprob);
-  // A step's output: each row's argmax only (ids) when every request of the group is greedy without
-  // logprobs (on a GPU the logits stay on the device), else the logits [B q, V].
-  struct StepRows {
-    std::vector<float> logits;
-    std::vector<int32_t> ids;
-  };
-  StepRows run_step(const std::vector<Live*>& group, const std::vector<int>& slots, int q,
-                    const std::vector<int32_t>& tokens);
+  // A row's spec (ops/sampling.h) for a request: its sampling parameters, the draft (-1: none), two
+  // uniforms drawn from `rng` (a copy of the request's stream: step_decode advances the real one by two per
+  // token it keeps).
+  static ops::SampleSpec spec_of(const Live& r, int32_t draft, Rng& rng);
   bool step_prefill(std::vector<Live*>& group);
   bool step_decode(std::vector<Live*>& group);
   std::vector<int32_t> propose(const Live& r, int k) const;

@@ -1,6 +1,6 @@
 // GPU tests of the basic CUDA ops, each against its CPU reference on random inputs (fixed seeds): linear
 // (every path, the K3 per-rank shapes; the skinny kernel against a float64 loop), rmsnorm / layernorm,
-// attn_res, embedding, sample_greedy (the CPU tests: tests/test_ops_basic.cpp).
+// attn_res, embedding, sample_rows (the CPU tests: tests/test_ops_basic.cpp).
 //
 // Tolerances come from the output dtype. BF16 keeps 8 significant bits: an FP32 result that the GPU
 // sums in another order rounds to the CPU's value or a neighbour, at most one ulp apart, and one ulp
@@ -9,9 +9,13 @@
 // (attn_res's mix) by one more (kNormOfChained). FP32 results: 1e-4 relative.
 // Indices (greedy, embedding) and copies (attn_res's prefix and blocks) must match exactly.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <cstdlib>
+#include <cstdio>
 #include <numeric>
 #include <vector>
 
@@ -493,36 +497,181 @@ TEST(CudaEmbedding, CopiesRowsExactly) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// greedy sampling
+// sample_rows
 
-TEST(CudaSampling, GreedyMatchesCpuExactly) {
-  K3_REQUIRE_GPU();
-  const int64_t rows = 4;
-  uint64_t seed = 11000;
-  for (int64_t vocab : {1, 7, 1000, 20480, 20481, 163840}) {
-    SCOPED_TRACE(testing::Message() << "vocab " << vocab);
-    Rng rng(seed++);
-    std::vector<float> logits(static_cast<size_t>(rows * vocab));
-    for (auto& v : logits) v = static_cast<float>(rng.normal() * 3.0);
-    if (vocab > 2) {
-      // Row 1: the maximum twice (the lower id wins); row 2: NaN at id 0 (the CPU keeps id 0);
-      // row 3: NaNs and -inf elsewhere, the maximum near the end.
-      const int64_t a = vocab / 3, b = vocab - 2;
-      logits[vocab + a] = logits[vocab + b] = 100.f;
-      logits[2 * vocab] = NAN;
-      logits[3 * vocab + 1] = NAN;
-      logits[3 * vocab + 2] = -INFINITY;
-      logits[3 * vocab + vocab - 1] = 50.f;
+// Prints a result line, and appends it to $OUT/sampling_timing.txt when OUT is set (the device runner's
+// result folder: the lines come back even when the console output is cut).
+void report(const char* line) {
+  std::fputs(line, stdout);
+  if (const char* dir = std::getenv("OUT"))
+    if (FILE* f = std::fopen((std::string(dir) + "/sampling_timing.txt").c_str(), "a")) {
+      std::fputs(line, f);
+      std::fclose(f);
     }
-    std::vector<int32_t> want(static_cast<size_t>(rows));
-    for (int64_t r = 0; r < rows; ++r) want[r] = ops::sample_greedy(logits.data() + r * vocab, vocab);
-    DeviceBuffer dl = upload(logits), dout(static_cast<size_t>(rows) * 4);
-    ASSERT_EQ(ops::cuda::sample_greedy(dl.get<float>(), rows, vocab, dout.get<int32_t>(), st()), 0);
-    EXPECT_EQ(download<int32_t>(dout, want.size()), want);
-    // An odd row offset: the scalar path.
-    if (vocab % 4 == 0 && vocab > 4) {
-      ASSERT_EQ(ops::cuda::sample_greedy(dl.get<float>() + 1, 1, vocab - 1, dout.get<int32_t>(), st()), 0);
-      EXPECT_EQ(download<int32_t>(dout, 1)[0], ops::sample_greedy(logits.data() + 1, vocab - 1));
+}
+
+// Whether a row's outcome sits within `eps` of a boundary of the CPU's float64 sums (where the kernel's FP32
+// masses may decide otherwise): the top-p mass at the kept set's edge vs top_p, the draft's p_kept vs
+// u_accept, or a cumulative (id order, over the kept set or its residual) vs u_draw.
+bool near_boundary(const float* raw, int64_t V, const ops::SampleSpec& s, double eps) {
+  if (s.temperature == 0) return false;
+  std::vector<double> l(static_cast<size_t>(V));
+  for (int64_t i = 0; i < V; ++i) l[i] = std::isnan(raw[i]) ? -INFINITY : std::min<double>(raw[i], FLT_MAX);
+  const double mx = *std::max_element(l.begin(), l.end());
+  std::vector<double> p(static_cast<size_t>(V));
+  double z = 0;
+  for (int64_t i = 0; i < V; ++i) z += p[i] = std::exp((l[i] - mx) / s.temperature);
+  std::vector<char> kept(static_cast<size_t>(V), 1);
+  double kept_mass = z;
+  bool near = false;
+  if (s.top_p < 1) {
+    std::vector<int64_t> order(static_cast<size_t>(V));
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return l[a] > l[b]; });
+    std::fill(kept.begin(), kept.end(), 0);
+    kept_mass = 0;
+    for (int64_t k = 0; k < V && kept_mass < s.top_p * z; ++k) {
+      if (std::fabs(kept_mass / z - s.top_p) < eps) near = true;
+      kept[order[k]] = 1;
+      kept_mass += p[order[k]];
+    }
+    if (std::fabs(kept_mass / z - s.top_p) < eps) near = true;
+  }
+  double mass = kept_mass;
+  if (s.draft >= 0 && kept[s.draft]) {
+    if (std::fabs(p[s.draft] / kept_mass - s.u_accept) < eps) near = true;
+    mass -= p[s.draft];
+  }
+  double cum = 0;
+  for (int64_t i = 0; i < V && mass > 0; ++i) {
+    if (!kept[i] || i == s.draft) continue;
+    cum += p[i];
+    if (std::fabs(cum / mass - s.u_draw) < eps) near = true;
+  }
+  return near;
+}
+
+// The kernel against the CPU op: vocab 1000 / 163840 / an odd size, 1..256 rows, T in {0, 0.7, 1.3}, top_p in
+// {1, 0.9, 0.5}, no draft / a random draft / the argmax as draft, log-probs asked. Ids and accepted flags equal
+// except at boundary rows (counted, bounded); log-probs within 1e-4 of the float64 log-softmax; the kernel is
+// deterministic (two runs, equal bytes). Special rows: ties for the maximum, NaN at id 0, NaN / -inf / +inf.
+TEST(CudaSampling, MatchesCpuOp) {
+  K3_REQUIRE_GPU();
+  uint64_t seed = 11000;
+  int boundary = 0, total = 0, accepted = 0;
+  for (int64_t vocab : {int64_t{1000}, int64_t{4099}, int64_t{163840}}) {
+    for (int64_t rows : {int64_t{1}, int64_t{37}, int64_t{256}}) {
+      SCOPED_TRACE(testing::Message() << "vocab " << vocab << " rows " << rows);
+      Rng rng(seed++);
+      std::vector<float> logits(static_cast<size_t>(rows * vocab));
+      for (auto& v : logits) v = static_cast<float>(rng.normal() * 3.0);
+      if (rows > 4) {
+        const int64_t a = vocab / 3, b = vocab - 2;
+        logits[vocab + a] = logits[vocab + b] = 100.f;
+        logits[2 * vocab] = NAN;
+        logits[3 * vocab + 1] = NAN;
+        logits[3 * vocab + 2] = -INFINITY;
+        logits[3 * vocab + vocab - 1] = 50.f;
+        logits[4 * vocab + 5] = INFINITY;
+        for (int64_t i = 0; i < vocab; ++i) logits[5 * vocab + i] = std::round(logits[5 * vocab + i]);  // many ties
+      }
+      std::vector<ops::SampleSpec> spec(static_cast<size_t>(rows));
+      const float Ts[] = {0.0f, 0.7f, 1.3f}, Ps[] = {1.0f, 0.9f, 0.5f};
+      for (int64_t r = 0; r < rows; ++r) {
+        ops::SampleSpec& s = spec[r];
+        const int64_t k = r + static_cast<int64_t>(rng.below(27));
+        s.temperature = Ts[k % 3];
+        s.top_p = Ps[(k / 3) % 3];
+        const float* row = logits.data() + r * vocab;
+        const int64_t best = std::max_element(row, row + vocab, [](float x, float y) {
+                               return (std::isnan(x) ? -INFINITY : x) < (std::isnan(y) ? -INFINITY : y);
+                             }) - row;
+        s.draft = k / 9 % 3 == 0 ? -1 : k / 9 % 3 == 1 ? static_cast<int32_t>(rng.below(vocab)) : static_cast<int32_t>(best);
+        s.logprob = 1;
+        s.u_accept = rng.uniform();
+        s.u_draw = rng.uniform();
+      }
+      std::vector<ops::SampleResult> want(spec.size());
+      ops::sample_rows(logits.data(), rows, vocab, spec.data(), want.data());
+      DeviceBuffer dl = upload(logits), ds = upload(spec), dout(spec.size() * sizeof(ops::SampleResult));
+      ASSERT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(),
+                                       dout.get<ops::SampleResult>(), st()), 0);
+      const auto got = download<ops::SampleResult>(dout, spec.size());
+      ASSERT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(),
+                                       dout.get<ops::SampleResult>(), st()), 0);
+      const auto again = download<ops::SampleResult>(dout, spec.size());
+      ASSERT_EQ(std::memcmp(got.data(), again.data(), got.size() * sizeof(ops::SampleResult)), 0) << "not deterministic";
+      for (int64_t r = 0; r < rows; ++r) {
+        const ops::SampleSpec& s = spec[r];
+        SCOPED_TRACE(testing::Message() << "row " << r << " T " << s.temperature << " top_p " << s.top_p << " draft "
+                                        << s.draft);
+        ++total;
+        accepted += want[r].accepted;
+        const float* row = logits.data() + r * vocab;
+        if (got[r].token != want[r].token || got[r].accepted != want[r].accepted) {
+          ++boundary;
+          EXPECT_TRUE(near_boundary(row, vocab, s, 1e-5))
+              << "gpu " << got[r].token << "/" << got[r].accepted << " cpu " << want[r].token << "/" << want[r].accepted;
+        }
+        ASSERT_TRUE(got[r].token >= 0 && got[r].token < vocab);
+        // The log-prob of the GPU's token, from float64.
+        double mx = -INFINITY, z = 0;
+        auto cl = [](float v) { return std::isnan(v) ? -INFINITY : std::min<double>(v, FLT_MAX); };
+        for (int64_t i = 0; i < vocab; ++i) mx = std::max(mx, cl(row[i]));
+        for (int64_t i = 0; i < vocab; ++i) z += std::exp(cl(row[i]) - mx);
+        EXPECT_NEAR(got[r].logprob, cl(row[got[r].token]) - mx - std::log(z), 1e-4);
+      }
+    }
+  }
+  char line[200];
+  std::snprintf(line, sizeof line, "[ gpu ] sample_rows: %d rows, %d drafts accepted, %d differ from the CPU\n", total,
+                accepted, boundary);
+  report(line);
+  EXPECT_LE(boundary * 100, total);  // at most 1%
+  EXPECT_GT(accepted, 20);
+}
+
+// Time per call at K3's vocab for 1 and 256 rows (sampled with a draft, and greedy) against the bytes read once.
+TEST(CudaSampling, Timing) {
+  K3_REQUIRE_GPU();
+  const int64_t V = 163840;
+  Rng rng(11100);
+  for (int64_t rows : {int64_t{1}, int64_t{256}}) {
+    std::vector<float> logits(static_cast<size_t>(rows * V));
+    for (auto& v : logits) v = static_cast<float>(rng.normal() * 3.0);
+    for (float T : {0.0f, 0.7f}) {
+      std::vector<ops::SampleSpec> spec(static_cast<size_t>(rows));
+      for (auto& s : spec) {
+        s.temperature = T;
+        s.top_p = 0.9f;
+        s.draft = static_cast<int32_t>(rng.below(V));
+        s.logprob = 1;
+        s.u_accept = rng.uniform();
+        s.u_draw = rng.uniform();
+      }
+      DeviceBuffer dl = upload(logits), ds = upload(spec), dout(spec.size() * sizeof(ops::SampleResult));
+      cudaEvent_t e0, e1;
+      cudaEventCreate(&e0);
+      cudaEventCreate(&e1);
+      for (int i = 0; i < 3; ++i)
+        ASSERT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(),
+                                         dout.get<ops::SampleResult>(), st()), 0);
+      const int iters = 20;
+      cudaEventRecord(e0, st());
+      for (int i = 0; i < iters; ++i)
+        ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(), dout.get<ops::SampleResult>(), st());
+      cudaEventRecord(e1, st());
+      cudaEventSynchronize(e1);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e0, e1);
+      const double us = 1e3 * ms / iters, floor_us = 1e6 * rows * V * 4.0 / 4.4e12;
+      char line[200];
+      std::snprintf(line, sizeof line, "[ gpu ] sample_rows V %lld rows %lld %s: %.1f us (HBM floor of one read %.2f us, %.1fx)\n",
+                    static_cast<long long>(V), static_cast<long long>(rows), T == 0 ? "greedy" : "T 0.7 top_p 0.9 draft",
+                    us, floor_us, us / floor_us);
+      report(line);
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
     }
   }
 }

@@ -46,9 +46,14 @@ std::vector<float> GpuDecoder::step(std::span<const int> slots, int q, std::span
   return rank_->logits();
 }
 
-std::vector<int32_t> GpuDecoder::step_greedy(std::span<const int> slots, int q, std::span<const int32_t> tokens) {
+std::vector<ops::SampleResult> GpuDecoder::step_sample(std::span<const int> slots, int q,
+                                                       std::span<const int32_t> tokens,
+                                                       std::span<const ops::SampleSpec> spec) {
+  K3_CHECK(static_cast<int64_t>(spec.size()) == static_cast<int64_t>(slots.size()) * q,
+           "step_sample: {} specs for {} requests x q = {}", spec.size(), slots.size(), q);
+  ops::check_specs(spec.data(), static_cast<int64_t>(spec.size()), config_.vocab_size);  // before the step
   run(slots, q, tokens);
-  return rank_->greedy_ids();
+  return rank_->sample(spec);
 }
 
 void GpuDecoder::commit(std::span<const int> slots, int q) {

@@ -42,7 +42,8 @@ class GpuDecoder : public Decoder {
   bool fits(int64_t tokens) const override { return rank_->fits(tokens); }
   void release(int slot) override { rank_->release(slot); }
   std::vector<float> step(std::span<const int> slots, int q, std::span<const int32_t> tokens) override;
-  std::vector<int32_t> step_greedy(std::span<const int> slots, int q, std::span<const int32_t> tokens) override;
+  std::vector<ops::SampleResult> step_sample(std::span<const int> slots, int q, std::span<const int32_t> tokens,
+                                             std::span<const ops::SampleSpec> spec) override;
   void commit(std::span<const int> slots, int q) override;
   void commit(std::span<const int> slots, std::span<const int> counts) override;
   void world_sum(float* data, int64_t n) override;

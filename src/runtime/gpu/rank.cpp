@@ -61,7 +61,8 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
   d_tables_ = DeviceBuffer(int64_t{o.max_batch} * std::max(max_pages_, 1) * 4);
   d_accepted_ = DeviceBuffer(o.max_batch * 4);
   d_agree_ = DeviceBuffer(256);
-  d_ids_ = DeviceBuffer(R * 4);
+  d_spec_ = DeviceBuffer(R * sizeof(ops::SampleSpec));
+  d_sampled_ = DeviceBuffer(R * sizeof(ops::SampleResult));
   const size_t pinned = static_cast<size_t>(R * 4 * 3 + o.max_batch * 4 * 3 + int64_t{o.max_batch} * max_pages_ * 4);
   CUDA_CHECK(cudaMallocHost(&pinned_, std::max<size_t>(pinned, 256)));
   // Activations.
@@ -197,12 +198,18 @@ std::vector<float> GpuRank::logits() {
   return out;
 }
 
-std::vector<int32_t> GpuRank::greedy_ids() {
+std::vector<ops::SampleResult> GpuRank::sample(std::span<const ops::SampleSpec> spec) {
   const int64_t rows = int64_t{B_} * q_;
-  std::vector<int32_t> out(static_cast<size_t>(rows));
+  K3_CHECK(static_cast<int64_t>(spec.size()) == rows, "sample: {} specs for the step's {} rows", spec.size(), rows);
+  ops::check_specs(spec.data(), rows, c_.vocab_size);
+  std::vector<ops::SampleResult> out(static_cast<size_t>(rows));
   if (rows == 0) return out;
-  K3_LAUNCH(cu::sample_greedy(logits_.get<float>(), rows, c_.vocab_size, d_ids_.get<int32_t>(), ctx_.stream));
-  CUDA_CHECK(cudaMemcpyAsync(out.data(), d_ids_.get(), rows * 4, cudaMemcpyDeviceToHost, ctx_.stream));
+  CUDA_CHECK(cudaMemcpyAsync(d_spec_.get(), spec.data(), rows * sizeof(ops::SampleSpec), cudaMemcpyHostToDevice,
+                             ctx_.stream));
+  K3_LAUNCH(cu::sample_rows(logits_.get<float>(), rows, c_.vocab_size, d_spec_.get<ops::SampleSpec>(),
+                            d_sampled_.get<ops::SampleResult>(), ctx_.stream));
+  CUDA_CHECK(cudaMemcpyAsync(out.data(), d_sampled_.get(), rows * sizeof(ops::SampleResult), cudaMemcpyDeviceToHost,
+                             ctx_.stream));
   CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
   return out;
 }

@@ -39,6 +39,7 @@
 #include "config/model_config.h"
 #include "core/cuda.h"
 #include "ops/cuda_context.h"
+#include "ops/sampling.h"
 #include "runtime/gpu/caches.h"
 #include "runtime/gpu/collectives.h"
 #include "runtime/gpu/graphs.h"
@@ -79,7 +80,9 @@ class GpuRank final : private StepBackend {
   // Captures enqueue(kind) for the prepared (B, q) once and replays it.
   void run_graph(StepKind kind);
   std::vector<float> logits();  // synchronizes; [B q, V]
-  std::vector<int32_t> greedy_ids();  // synchronizes; [B q]: each row's argmax, computed on the device
+  // Synchronizes; [B q]: ops::cuda::sample_rows on the step's logits by spec [B q] (checked here): only the
+  // specs go up and the small records come back.
+  std::vector<ops::SampleResult> sample(std::span<const ops::SampleSpec> spec);
   // Commits the first n of the last step's q tokens of each slot (kernels + bookkeeping).
   void commit(std::span<const int> slots, std::span<const int> accepted);
 
@@ -133,7 +136,7 @@ class GpuRank final : private StepBackend {
   int max_pages_ = 0;     // block table stride (the longest table of a slot)
   DeviceBuffer ep_ones_;  // F32 [W ep_cap] = 1: the weights of the received pairs
   // Step metadata (device) and its pinned staging.
-  DeviceBuffer d_tokens_, d_slots_, d_pos0_, d_ctx_, d_ctx_local_, d_tables_, d_accepted_, d_agree_, d_ids_;
+  DeviceBuffer d_tokens_, d_slots_, d_pos0_, d_ctx_, d_ctx_local_, d_tables_, d_accepted_, d_agree_, d_spec_, d_sampled_;
   void* pinned_ = nullptr;
   int B_ = 0, q_ = 0;
   bool prepared_ = false;
