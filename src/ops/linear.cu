@@ -10,6 +10,10 @@
 // run together and W comes from HBM about once. It also takes any row count on LinearPath::Kernel when
 // the skinny kernel does not fit (in % 8 != 0, unaligned x or w).
 //
+// linear_group: linear_rows_group_kernel runs the tiles of several projections that share x in one grid
+// (projection j's CTAs after projection j - 1's), each tile the code of linear_rows_kernel, so every
+// output is bitwise the separate kernel's; used at 1 row (Auto), separate linear calls otherwise.
+//
 // 2..64 rows (kLinearSkinnyMinRows..kLinearSkinnyMaxRows, in % 8 == 0, x and w 16-byte aligned) on
 // LinearPath::Kernel, and on Auto when kLinearAutoSkinny: linear_skinny (linear_skinny.cu), tensor cores
 // with W as the A operand, 128 features x a K range per CTA, split K with a fixed-order sum of FP32
@@ -21,6 +25,8 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "ops/cuda_bf16.cuh"
@@ -46,12 +52,14 @@ __device__ __forceinline__ void load_ro(const bf16* p, float (&f)[VEC]) {
   }
 }
 
+// One CTA's tile of linear_rows_kernel: block b of the projection's grid (row tile b % row_tiles, features
+// 4 (b / row_tiles) ..). The grouped kernel runs the same code per projection, so its outputs are bitwise
+// the separate kernel's.
 template <int RT, int VEC>
-__global__ void __launch_bounds__(kLinThreads)
-    linear_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, bool y_f32,
-                       int64_t rows, int64_t in, int64_t out, int64_t row_tiles) {
-  __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
-  const int64_t rt = blockIdx.x % row_tiles, ot = blockIdx.x / row_tiles;
+__device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                          void* __restrict__ y, bool y_f32, int64_t rows, int64_t in, int64_t out,
+                                          int64_t row_tiles, int64_t block, float (&red)[kLinThreads / kWarp][kLinOut * RT]) {
+  const int64_t rt = block % row_tiles, ot = block / row_tiles;
   const int64_t r0 = rt * RT, o0 = ot * kLinOut;
   const int nr = static_cast<int>(min(static_cast<int64_t>(RT), rows - r0));
   const int no = static_cast<int>(min(static_cast<int64_t>(kLinOut), out - o0));
@@ -116,6 +124,39 @@ __global__ void __launch_bounds__(kLinThreads)
 }
 
 template <int RT, int VEC>
+__global__ void __launch_bounds__(kLinThreads)
+    linear_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, bool y_f32,
+                       int64_t rows, int64_t in, int64_t out, int64_t row_tiles) {
+  __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
+  rows_tile<RT, VEC>(x, w, y, y_f32, rows, in, out, row_tiles, blockIdx.x, red);
+}
+
+// The projections of one grouped launch: projection j owns blocks [begin[j], begin[j + 1]) of the grid.
+struct RowsGroup {
+  const bf16* w[kLinearGroupMax];
+  void* y[kLinearGroupMax];
+  int64_t out[kLinearGroupMax];
+  int64_t begin[kLinearGroupMax + 1];
+  bool y_f32[kLinearGroupMax];
+  int n;
+};
+
+// linear_rows_kernel over several weights that share x: the CTAs of every projection in one grid, in
+// the group's order, each running the separate kernel's tile.
+template <int RT, int VEC>
+__global__ void __launch_bounds__(kLinThreads)
+    linear_rows_group_kernel(const bf16* __restrict__ x, const __grid_constant__ RowsGroup g, int64_t rows,
+                             int64_t in, int64_t row_tiles) {
+  __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
+  const int64_t b = blockIdx.x;
+  int j = 0;
+#pragma unroll
+  for (int k = 1; k < kLinearGroupMax; ++k)
+    if (k < g.n && b >= g.begin[k]) j = k;
+  rows_tile<RT, VEC>(x, g.w[j], g.y[j], g.y_f32[j], rows, in, g.out[j], row_tiles, b - g.begin[j], red);
+}
+
+template <int RT, int VEC>
 int launch_rows(const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in, int64_t out,
                 cudaStream_t s) {
   const int64_t row_tiles = (rows + RT - 1) / RT;
@@ -136,10 +177,33 @@ int dispatch_rows(const bf16* x, const bf16* w, void* y, bool y_f32, int64_t row
   return launch_rows<8, VEC>(x, w, y, y_f32, rows, in, out, s);
 }
 
+// Whether linear_rows_kernel takes 16-byte chunks for (x, w).
+bool rows_vec(const bf16* x, const bf16* w, int64_t in) { return in % 8 == 0 && aligned16(x) && aligned16(w); }
+
 int linear_kernel(const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in, int64_t out,
                   cudaStream_t s) {
-  const bool vec = in % 8 == 0 && aligned16(x) && aligned16(w);
-  return vec ? dispatch_rows<8>(x, w, y, y_f32, rows, in, out, s) : dispatch_rows<1>(x, w, y, y_f32, rows, in, out, s);
+  return rows_vec(x, w, in) ? dispatch_rows<8>(x, w, y, y_f32, rows, in, out, s)
+                            : dispatch_rows<1>(x, w, y, y_f32, rows, in, out, s);
+}
+
+template <int RT, int VEC>
+int launch_rows_group(const bf16* x, RowsGroup g, int64_t rows, int64_t in, cudaStream_t s) {
+  const int64_t row_tiles = (rows + RT - 1) / RT;
+  g.begin[0] = 0;
+  for (int j = 0; j < g.n; ++j) g.begin[j + 1] = g.begin[j] + row_tiles * ((g.out[j] + kLinOut - 1) / kLinOut);
+  for (int j = g.n + 1; j <= kLinearGroupMax; ++j) g.begin[j] = g.begin[g.n];
+  const int64_t blocks = g.begin[g.n];
+  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  linear_rows_group_kernel<RT, VEC><<<static_cast<unsigned>(blocks), kLinThreads, 0, s>>>(x, g, rows, in, row_tiles);
+  return cudaGetLastError();
+}
+
+template <int VEC>
+int dispatch_rows_group(const bf16* x, const RowsGroup& g, int64_t rows, int64_t in, cudaStream_t s) {
+  if (rows <= 1) return launch_rows_group<1, VEC>(x, g, rows, in, s);
+  if (rows <= 2) return launch_rows_group<2, VEC>(x, g, rows, in, s);
+  if (rows <= 4) return launch_rows_group<4, VEC>(x, g, rows, in, s);
+  return launch_rows_group<8, VEC>(x, g, rows, in, s);
 }
 
 // Largest power of two (<= 256) dividing the address: cuBLASLt's alignment preference.
@@ -246,6 +310,53 @@ int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w
 int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
            int64_t out) {
   return linear_via(ctx, LinearPath::Auto, x, w, y, y_f32, rows, in, out);
+}
+
+bool linear_group_fits(const bf16* x, int64_t in, const LinearOut* outs, int n) {
+  if (n < 1 || n > kLinearGroupMax || x == nullptr || in <= 0 || outs == nullptr) return false;
+  const bool vec = rows_vec(x, outs[0].w, in);
+  for (int j = 0; j < n; ++j)
+    if (outs[j].w == nullptr || outs[j].y == nullptr || outs[j].out <= 0 || rows_vec(x, outs[j].w, in) != vec)
+      return false;
+  return true;
+}
+
+int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, int64_t rows, int64_t in,
+                     const LinearOut* outs, int n) {
+  if (rows < 0 || in <= 0 || n < 0 || n > kLinearGroupMax || (n > 0 && outs == nullptr)) return cudaErrorInvalidValue;
+  for (int j = 0; j < n; ++j)
+    if (outs[j].out <= 0) return cudaErrorInvalidValue;
+  if (rows == 0 || n == 0) return cudaSuccess;
+  // K3_LINEAR_GROUP=0 in the environment: Auto as Separate (A/B runs of the step).
+  static const bool env_off = [] {
+    const char* v = std::getenv("K3_LINEAR_GROUP");
+    return v != nullptr && std::strcmp(v, "0") == 0;
+  }();
+  if (path == LinearGroupPath::Auto && env_off) path = LinearGroupPath::Separate;
+  const bool grouped = path == LinearGroupPath::Grouped ||
+                       (path == LinearGroupPath::Auto && rows <= kLinearRowsKernelMaxRows && n > 1);
+  if (!grouped || !linear_group_fits(x, in, outs, n)) {
+    const LinearPath each = path == LinearGroupPath::Grouped ? LinearPath::Kernel : LinearPath::Auto;
+    for (int j = 0; j < n; ++j)
+      if (const int e = linear_via(ctx, each, x, outs[j].w, outs[j].y, outs[j].y_f32, rows, in, outs[j].out); e != 0)
+        return e;
+    return cudaSuccess;
+  }
+  RowsGroup g{};
+  g.n = n;
+  for (int j = 0; j < n; ++j) {
+    g.w[j] = outs[j].w;
+    g.y[j] = outs[j].y;
+    g.out[j] = outs[j].out;
+    g.y_f32[j] = outs[j].y_f32;
+  }
+  auto s = reinterpret_cast<cudaStream_t>(ctx.stream);
+  return rows_vec(x, outs[0].w, in) ? dispatch_rows_group<8>(x, g, rows, in, s)
+                                    : dispatch_rows_group<1>(x, g, rows, in, s);
+}
+
+int linear_group(const Context& ctx, const bf16* x, int64_t rows, int64_t in, const LinearOut* outs, int n) {
+  return linear_group_via(ctx, LinearGroupPath::Auto, x, rows, in, outs, n);
 }
 
 bool linear_batched_cublaslt(const Context& ctx, const bf16* x, int64_t ldx, int64_t stride_x, const bf16* w,

@@ -46,6 +46,31 @@ enum class LinearPath { Auto, Kernel, CublasLt };
 int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
                int64_t in, int64_t out);
 
+// Several projections of the same input rows: y_j [rows, out_j] = x W_j^T for j < n (n <= kLinearGroupMax),
+// each as linear(ctx, x, w_j, y_j, y_f32_j, rows, in, out_j) would compute it, bitwise. At the rows
+// linear_rows_kernel takes in Auto (rows <= kLinearRowsKernelMaxRows) one launch does them all
+// (linear_rows_group_kernel: the CTAs of every projection dealt over one grid, so the small ones run in
+// the large one's wave instead of paying their own launch ramp and tail); at other row counts, or when
+// the weights would not all take the same vector width (a w not 16-byte aligned), one linear call each.
+// No y may alias x or another y. K3_LINEAR_GROUP=0 in the environment makes Auto separate calls (A/B runs).
+struct LinearOut {
+  const bf16* w = nullptr;  // [out, in]
+  void* y = nullptr;        // [rows, out], BF16 or FP32 (y_f32)
+  int64_t out = 0;
+  bool y_f32 = false;
+};
+constexpr int kLinearGroupMax = 6;
+int linear_group(const Context& ctx, const bf16* x, int64_t rows, int64_t in, const LinearOut* outs, int n);
+// Auto = linear_group; Grouped = the grouped kernel at any row count (bitwise linear_rows_kernel per
+// projection, the path LinearPath::Kernel takes where the skinny kernel does not fit; tests), one
+// linear_via(Kernel) each where linear_group_fits is false; Separate = one linear() per projection.
+enum class LinearGroupPath { Auto, Grouped, Separate };
+int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, int64_t rows, int64_t in,
+                     const LinearOut* outs, int n);
+// Whether one grouped launch can take the projections (1 <= n <= kLinearGroupMax, pointers given, the same
+// vector width for every w).
+bool linear_group_fits(const bf16* x, int64_t in, const LinearOut* outs, int n);
+
 // Per-head products (the MLA absorptions): for b < batch, y_b [rows, out] = x_b [rows, in] W_b^T when
 // w_out_in (W_b [out, in]), else x_b W_b (W_b [in, out]); BF16 in and out (rounded once), FP32
 // accumulation, split-K partials (if any) in FP32. A matrix's rows are ld* elements apart, matrix b

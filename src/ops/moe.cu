@@ -219,8 +219,8 @@ int mlp(const Context& ctx, const bf16* x, const bf16* w_gate, const bf16* w_up,
   if (rows == 0) return cudaSuccess;
   bf16* a = scratch;
   bf16* b = scratch + rows * I;
-  int err = linear(ctx, x, w_gate, a, false, rows, D, I);
-  if (err == 0) err = linear(ctx, x, w_up, b, false, rows, D, I);
+  const LinearOut gate_up[2] = {{w_gate, a, I}, {w_up, b, I}};  // one launch at 1 row
+  int err = linear_group(ctx, x, rows, D, gate_up, 2);
   if (err == 0) err = situ_glu(a, b, a, rows * I, p, ctx.stream);
   if (err == 0) err = linear(ctx, a, w_down, out, false, rows, I, D);
   return err;

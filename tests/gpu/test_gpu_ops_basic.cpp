@@ -1,6 +1,7 @@
 // GPU tests of the basic CUDA ops, each against its CPU reference on random inputs (fixed seeds): linear
-// (every path, the K3 per-rank shapes; the skinny kernel against a float64 loop), rmsnorm / layernorm,
-// attn_res, embedding, sample_rows (the CPU tests: tests/test_ops_basic.cpp).
+// (every path, the K3 per-rank shapes; the skinny kernel against a float64 loop; projection groups bitwise
+// against the separate calls), rmsnorm / layernorm, attn_res, embedding, sample_rows (the CPU tests:
+// tests/test_ops_basic.cpp).
 //
 // Tolerances come from the output dtype. BF16 keeps 8 significant bits: an FP32 result that the GPU
 // sums in another order rounds to the CPU's value or a neighbour, at most one ulp apart, and one ulp
@@ -277,6 +278,159 @@ TEST(CudaLinearSkinny, ShapesItDoesNotTakeFallBack) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// linear_group: several projections of the same rows in one launch (1 row), bitwise the separate calls
+
+struct GroupProj {
+  int64_t out;
+  bool f32;
+  int w_offset = 0;  // elements the weight starts past a 16-byte boundary (1: the element-wise width)
+};
+
+// y_j of one linear_group_via call, as raw bytes per projection (outputs start as NaN bits).
+std::vector<std::vector<uint8_t>> group_bytes(ops::cuda::LinearGroupPath path, const bf16* x,
+                                              const std::vector<const bf16*>& ws,
+                                              const std::vector<GroupProj>& projs, int64_t rows, int64_t in) {
+  std::vector<DeviceBuffer> ys;
+  std::vector<ops::cuda::LinearOut> outs;
+  for (size_t j = 0; j < projs.size(); ++j) {
+    const size_t bytes = static_cast<size_t>(rows * projs[j].out) * (projs[j].f32 ? 4 : 2);
+    ys.emplace_back(bytes);
+    CUDA_CHECK(cudaMemsetAsync(ys.back().get(), 0xff, bytes, stream()));
+    outs.push_back({ws[j], ys.back().get(), projs[j].out, projs[j].f32});
+  }
+  EXPECT_EQ(ops::cuda::linear_group_via(ctx(), path, x, rows, in, outs.data(), static_cast<int>(outs.size())), 0);
+  std::vector<std::vector<uint8_t>> got;
+  for (size_t j = 0; j < projs.size(); ++j)
+    got.push_back(download<uint8_t>(ys[j], static_cast<size_t>(rows * projs[j].out) * (projs[j].f32 ? 4 : 2)));
+  return got;
+}
+
+// y of one linear_via call at pointer w (linear_bytes takes a buffer).
+std::vector<uint8_t> linear_bytes_at(ops::cuda::LinearPath path, const bf16* x, const bf16* w, int64_t rows,
+                                     int64_t in, int64_t out, bool y_f32) {
+  const size_t bytes = static_cast<size_t>(rows * out) * (y_f32 ? 4 : 2);
+  DeviceBuffer dy(bytes);
+  CUDA_CHECK(cudaMemsetAsync(dy.get(), 0xff, bytes, stream()));
+  EXPECT_EQ(ops::cuda::linear_via(ctx(), path, x, w, dy.get(), y_f32, rows, in, out), 0);
+  return download<uint8_t>(dy, bytes);
+}
+
+// got (raw bytes of [rows, out]) against the CPU linear on all features (small shapes) or the first and last
+// 64 and 128 spread between.
+void expect_linear_cpu(const std::vector<uint8_t>& bytes, const std::vector<float>& x, const std::vector<float>& w,
+                       int64_t rows, int64_t in, int64_t out, bool y_f32, const char* what) {
+  std::vector<int64_t> feats;
+  if (rows * in * out <= (int64_t{1} << 25) || out <= 256) {
+    feats.resize(static_cast<size_t>(out));
+    std::iota(feats.begin(), feats.end(), 0);
+  } else {
+    for (int64_t o = 0; o < 64; ++o) feats.push_back(o);
+    for (int64_t i = 0; i < 128; ++i) feats.push_back(64 + (out - 128) * i / 128);
+    for (int64_t o = out - 64; o < out; ++o) feats.push_back(o);
+  }
+  const auto nf = static_cast<int64_t>(feats.size());
+  std::vector<bf16> wsub(static_cast<size_t>(nf * in));
+  for (int64_t f = 0; f < nf; ++f)
+    for (int64_t i = 0; i < in; ++i) wsub[f * in + i] = to_bf16(w[feats[f] * in + i]);
+  std::vector<float> want(static_cast<size_t>(rows * nf)), have(want.size());
+  ops::linear(x.data(), wsub.data(), want.data(), rows, in, nf, /*round_out=*/!y_f32);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t f = 0; f < nf; ++f) {
+      const size_t e = static_cast<size_t>(r * out + feats[f]);
+      if (y_f32) {
+        std::memcpy(&have[r * nf + f], bytes.data() + 4 * e, 4);
+      } else {
+        bf16 b;
+        std::memcpy(&b.bits, bytes.data() + 2 * e, 2);
+        have[r * nf + f] = to_float(b);
+      }
+    }
+  expect_close(have, want, y_f32 ? kF32Rel : kOneRounding, 0.0, what);
+}
+
+// One group: Auto bitwise the separate linear() calls at every row count (one launch at 1 row); the grouped
+// kernel at any row count bitwise linear_rows_kernel (LinearPath::Kernel where the skinny kernel does not
+// take the shape), else against the CPU; every projection against the CPU.
+void check_linear_group(const std::vector<GroupProj>& projs, int64_t in, const std::vector<int64_t>& row_counts,
+                        uint64_t seed, int x_offset = 0) {
+  using ops::cuda::LinearGroupPath;
+  using ops::cuda::LinearPath;
+  std::vector<std::vector<float>> w;
+  std::vector<DeviceBuffer> dw;
+  std::vector<const bf16*> wp;
+  for (const auto& p : projs) {
+    w.push_back(random_bf16_values(static_cast<size_t>(p.out * in), seed++, 1.0 / std::sqrt(double(in))));
+    std::vector<float> padded(static_cast<size_t>(p.w_offset), 0.5f);
+    padded.insert(padded.end(), w.back().begin(), w.back().end());
+    dw.push_back(upload_bf16(padded));
+    wp.push_back(dw.back().get<bf16>() + p.w_offset);
+  }
+  for (const int64_t rows : row_counts) {
+    SCOPED_TRACE(testing::Message() << "group of " << projs.size() << " in " << in << " rows " << rows
+                                    << " x offset " << x_offset);
+    const auto xs = random_bf16_values(static_cast<size_t>(rows * in + x_offset), seed++);
+    const std::vector<float> x(xs.begin() + x_offset, xs.end());
+    DeviceBuffer dx = upload_bf16(xs);
+    const bf16* xp = dx.get<bf16>() + x_offset;
+    const auto autos = group_bytes(LinearGroupPath::Auto, xp, wp, projs, rows, in);
+    const auto grouped = group_bytes(LinearGroupPath::Grouped, xp, wp, projs, rows, in);
+    for (size_t j = 0; j < projs.size(); ++j) {
+      const auto& p = projs[j];
+      SCOPED_TRACE(testing::Message() << "projection " << j << " out " << p.out << (p.f32 ? " f32" : " bf16")
+                                      << " w offset " << p.w_offset);
+      EXPECT_TRUE(autos[j] == linear_bytes_at(LinearPath::Auto, xp, wp[j], rows, in, p.out, p.f32))
+          << "auto group differs from the separate linear()";
+      if (rows == 1 || !ops::cuda::linear_skinny_fits(rows, in, xp, wp[j]))
+        EXPECT_TRUE(grouped[j] == linear_bytes_at(LinearPath::Kernel, xp, wp[j], rows, in, p.out, p.f32))
+            << "grouped kernel differs from linear_rows_kernel";
+      expect_linear_cpu(autos[j], x, w[j], rows, in, p.out, p.f32, "auto group");
+      expect_linear_cpu(grouped[j], x, w[j], rows, in, p.out, p.f32, "grouped kernel");
+    }
+  }
+}
+
+TEST(CudaLinearGroup, MatchesSeparateCallsBitwiseOnOddShapes) {
+  K3_REQUIRE_GPU();
+  const std::vector<int64_t> rows = {1, 2, 3, 5, 9};
+  // in % 8 != 0: the element-wise width; outputs not a multiple of a CTA's 4 features, one of 1 feature.
+  check_linear_group({{7, false}, {33, true}, {1, false}, {250, false}}, 37, rows, 3000);
+  check_linear_group({{5, true}, {130, false}, {4, false}}, 136, rows, 3100);
+  check_linear_group({{100, false}, {3, true}}, 1000, rows, 3200);
+  // x one element off alignment: every projection element-wise, still one launch.
+  check_linear_group({{9, false}, {70, true}}, 64, rows, 3300, /*x_offset=*/1);
+  // One weight off alignment: its width differs from the others', so separate calls (still bitwise).
+  check_linear_group({{40, false}, {12, false, 1}, {24, true}}, 64, rows, 3400);
+  // The most projections a group takes, and a group of one.
+  check_linear_group({{8, false}, {13, true}, {2, false}, {31, false}, {4, true}, {17, false}}, 72, rows, 3500);
+  check_linear_group({{66, false}}, 72, rows, 3600);
+}
+
+TEST(CudaLinearGroup, MatchesSeparateCallsBitwiseOnK3PerRankShapes) {
+  K3_REQUIRE_GPU();
+  // TP8 rank shapes of the groups the GPU rank runs: MLA q_a, kv_a, g_proj and the DSA indexer's wk and
+  // head weights (FP32) of x; q_b and the indexer's wq_b of the q latent; the router (FP32 logits) and the
+  // latent down; the shared experts' gate and up (TP-sharded), the dense MLP's.
+  const std::vector<int64_t> rows = {1, 2, 8};
+  check_linear_group({{1536, false}, {576, false}, {1536, false}, {128, false}, {32, true}}, 7168, rows, 3700);
+  check_linear_group({{2304, false}, {4096, false}}, 1536, rows, 3800);
+  check_linear_group({{896, true}, {3584, false}}, 7168, rows, 3900);
+  check_linear_group({{768, false}, {768, false}}, 7168, rows, 4000);
+  check_linear_group({{4224, false}, {4224, false}}, 7168, {1}, 4100);
+}
+
+TEST(CudaLinearGroup, RejectsBadGroups) {
+  K3_REQUIRE_GPU();
+  DeviceBuffer dx(64 * 2), dw(64 * 8 * 2), dy(8 * 4);
+  std::vector<ops::cuda::LinearOut> outs(ops::cuda::kLinearGroupMax + 1,
+                                         {dw.get<bf16>(), dy.get(), 8, false});
+  EXPECT_NE(ops::cuda::linear_group(ctx(), dx.get<bf16>(), 1, 64, outs.data(), ops::cuda::kLinearGroupMax + 1), 0);
+  outs[1].out = 0;
+  EXPECT_NE(ops::cuda::linear_group(ctx(), dx.get<bf16>(), 1, 64, outs.data(), 2), 0);
+  EXPECT_EQ(ops::cuda::linear_group(ctx(), dx.get<bf16>(), 1, 64, outs.data(), 0), 0);  // nothing to do
+  EXPECT_FALSE(ops::cuda::linear_group_fits(dx.get<bf16>(), 64, outs.data(), 2));       // out 0
+}
+
+// ---------------------------------------------------------------------------------------------
 // rmsnorm, layernorm
 
 TEST(CudaNorm, RmsnormMatchesCpu) {
@@ -354,8 +508,10 @@ struct AttnResCase {
 };
 
 // Runs one attn_res case on the GPU and the CPU: prefix and blocks must match exactly, out within
-// the tolerance of its rounding chain.
-void check_attn_res(const AttnResCase& c, int max_blocks, uint64_t seed) {
+// the tolerance of its rounding chain. The GPU's out, prefix and blocks (raw) go to *bits when given.
+void check_attn_res(const AttnResCase& c, int max_blocks, uint64_t seed,
+                    ops::cuda::AttnResPath path = ops::cuda::AttnResPath::Auto,
+                    std::vector<std::vector<bf16>>* bits = nullptr) {
   SCOPED_TRACE(testing::Message() << "rows " << c.rows << " dim " << c.dim << " delta " << c.delta << " blocks "
                                   << c.num_blocks << " write " << c.write_idx << " out_norm " << c.out_norm);
   const size_t n = static_cast<size_t>(c.rows * c.dim), nb = n * max_blocks;
@@ -381,7 +537,8 @@ void check_attn_res(const AttnResCase& c, int max_blocks, uint64_t seed) {
   g.out = dout.get<bf16>();
   g.rows = c.rows;
   g.dim = c.dim;
-  ASSERT_EQ(ops::cuda::attn_res(g, st()), 0);
+  ASSERT_EQ(ops::cuda::attn_res_via(g, path, st()), 0);
+  if (bits != nullptr) *bits = {download<bf16>(dout, n), download<bf16>(dp, n), download<bf16>(dbl, nb)};
 
   std::vector<bf16> nwb = to_bf16_vec(norm_w), pwb = to_bf16_vec(proj_w), owb = to_bf16_vec(out_w);
   std::vector<float> out(n);
@@ -420,6 +577,47 @@ TEST(CudaAttnRes, MatchesCpuInEveryMode) {
   for (const auto& c : cases) {
     check_attn_res(c, max_blocks, seed);
     seed += 6;
+  }
+}
+
+// One CTA per row (few rows) against the cluster kernel: the same bits (the same slices, sums in the same
+// order), and both against the CPU.
+TEST(CudaAttnRes, OneCtaPerRowMatchesClusterBitwise) {
+  K3_REQUIRE_GPU();
+  using ops::cuda::AttnResPath;
+  struct Mode {
+    bool delta;
+    int num_blocks, write_idx;
+    bool out_norm;
+    int max_blocks;
+  };
+  const Mode modes[] = {
+      {true, 8, -1, true, 8},    // 9 sources, delta, out norm (the K3 decode shape)
+      {true, 8, -1, false, 8},   // the final mix
+      {false, 8, 2, true, 8},    // the block write is a mixed source
+      {true, 4, 6, true, 8},     // the block write is not a source
+      {false, 0, -1, false, 8},  // p alone
+      {true, 12, 5, true, 16},   // more sources than one partial-sum pass
+  };
+  uint64_t seed = 2600;
+  for (const int64_t dim : {7168, 7000, 1536, 512}) {  // 7000: a remainder slice; 512: one slice
+    for (const int64_t rows : {1, 2, 5, 8}) {
+      for (const auto& m : modes) {
+        std::vector<std::vector<bf16>> cta, cluster;
+        const AttnResCase c{rows, dim, m.delta, m.num_blocks, m.write_idx, m.out_norm};
+        check_attn_res(c, m.max_blocks, seed, AttnResPath::Cta, &cta);
+        check_attn_res(c, m.max_blocks, seed, AttnResPath::Cluster, &cluster);
+        ASSERT_EQ(cta.size(), 3u);
+        ASSERT_EQ(cluster.size(), 3u);
+        for (int k = 0; k < 3; ++k) {
+          ASSERT_EQ(cta[k].size(), cluster[k].size());
+          EXPECT_EQ(std::memcmp(cta[k].data(), cluster[k].data(), cta[k].size() * sizeof(bf16)), 0)
+              << "rows " << rows << " dim " << dim << " sources " << m.num_blocks + 1 << ": "
+              << (k == 0 ? "out" : k == 1 ? "prefix" : "blocks") << " differ between one CTA per row and the cluster";
+        }
+        seed += 6;
+      }
+    }
   }
 }
 

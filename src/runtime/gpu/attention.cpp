@@ -3,7 +3,8 @@
 //   KDA: in_proj -> short conv + SiLU (q, k, v) -> l2norm (q, k) -> gate
 //        (f_b f_a, A_log, dt_bias) and beta -> the chunked recurrence (the state
 //        after each token to the history) -> gated RMSNorm -> o_proj partial;
-//   MLA / DSA: q_a -> norm -> q_b; kv_a -> cache_write (normed latent + rope
+//   MLA / DSA: q_a, kv_a, g_proj (and the indexer's wk, weights_proj) of x
+//        in one group -> norm -> q_b (and wq_b); kv_a -> cache_write (normed latent + rope
 //        part); q absorbed into the latent space -> attend (paged, or DSA: the
 //        indexer's keys cached, scores, top-k, attend the selected) -> (DCP:
 //        partials to the head's owner, lse_merge) -> unabsorb -> sigmoid gate
@@ -77,10 +78,24 @@ void GpuRank::mla(int l, const bf16* x, bf16* out) {
   Carve scratch = layer_scratch();
   const MlaScratch a = carve_mla(scratch, c_, dims_, rows);
   mark("mla.proj");
-  K3_LAUNCH(cu::linear(ctx_, x, w.q_a, a.cq, false, rows, D, Q));
+  // Every projection of x at once (one launch at 1 row, cu::linear_group): q_a, kv_a, the output gate
+  // and (DSA) the indexer's key and head weights; then those of the normed q latent.
+  const int Hi = w.has_indexer ? c_.dsa->index_n_heads : 0, Di = w.has_indexer ? c_.dsa->index_head_dim : 0;
+  {
+    cu::LinearOut px[5] = {{w.q_a, a.cq, Q}, {w.kv_a, a.kv, E}, {w.g_proj, a.gate, int64_t{H} * dv}};
+    int n = 3;
+    if (w.has_indexer) {
+      px[n++] = {w.indexer.wk, a.ki, Di};
+      px[n++] = {w.indexer.weights_proj, a.wi, Hi, /*y_f32=*/true};
+    }
+    K3_LAUNCH(cu::linear_group(ctx_, x, rows, D, px, n));
+  }
   K3_LAUNCH(cu::rmsnorm(a.cq, w.q_a_norm, a.cq, rows, Q, eps, s));
-  K3_LAUNCH(cu::linear(ctx_, a.cq, w.q_b, a.qf, false, rows, Q, int64_t{H} * (dn + P)));
-  K3_LAUNCH(cu::linear(ctx_, x, w.kv_a, a.kv, false, rows, D, E));
+  {
+    cu::LinearOut pq[2] = {{w.q_b, a.qf, int64_t{H} * (dn + P)}};
+    if (w.has_indexer) pq[1] = {w.indexer.wq_b, a.qi, int64_t{Hi} * Di};
+    K3_LAUNCH(cu::linear_group(ctx_, a.cq, rows, Q, pq, w.has_indexer ? 2 : 1));
+  }
   K3_LAUNCH(cu::cache_write(a.kv, E, E, w.kv_a_norm, R, eps, d_pos0_.get<int32_t>(), B_, q_, d_tables_.get<int32_t>(),
                             max_pages_, ps, Dc, dr, caches_.kv(l), s));
   K3_LAUNCH(cu::mla_absorb_q(ctx_, a.qf, w.kv_b, a.qlat, rows, H, dn, P, dv, R));
@@ -103,13 +118,10 @@ void GpuRank::mla(int l, const bf16* x, bf16* out) {
                                      po + mb * rows * H * R, pl + mb * rows * H, attn_scratch_.get(),
                                      attn_scratch_bytes_, s));
   } else {
-    const int Hi = c_.dsa->index_n_heads, Di = c_.dsa->index_head_dim, topk = c_.dsa->index_topk;
-    K3_LAUNCH(cu::linear(ctx_, x, w.indexer.wk, a.ki, false, rows, D, Di));
+    const int topk = c_.dsa->index_topk;
     K3_LAUNCH(cu::layernorm(a.ki, w.indexer.k_norm_w, w.indexer.k_norm_b, a.ki, rows, Di, eps, s));
     K3_LAUNCH(cu::cache_write(a.ki, Di, Di, nullptr, 0, eps, d_pos0_.get<int32_t>(), B_, q_, d_tables_.get<int32_t>(),
                               max_pages_, ps, Dc, dr, caches_.index_keys(l), s));
-    K3_LAUNCH(cu::linear(ctx_, a.cq, w.indexer.wq_b, a.qi, false, rows, Q, int64_t{Hi} * Di));
-    K3_LAUNCH(cu::linear(ctx_, x, w.indexer.weights_proj, a.wi, true, rows, D, Hi));
     K3_LAUNCH(cu::scale(a.wi, 1.0f / std::sqrt(static_cast<float>(Di)) / std::sqrt(static_cast<float>(Hi)), rows * Hi,
                         s));
     const int max_ctx = static_cast<int>(max_ctx_);
@@ -143,7 +155,6 @@ void GpuRank::mla(int l, const bf16* x, bf16* out) {
   mark("mla.out");
   K3_LAUNCH(cu::to_bf16(a.olat, a.olat_bf, rows * H * R, s));
   K3_LAUNCH(cu::mla_unabsorb(ctx_, a.olat_bf, w.kv_b, a.o, rows, H, dn, dv, R));
-  K3_LAUNCH(cu::linear(ctx_, x, w.g_proj, a.gate, false, rows, D, int64_t{H} * dv));
   K3_LAUNCH(cu::gate_sigmoid(a.o, a.gate, a.o, rows * H * dv, s));
   K3_LAUNCH(cu::linear(ctx_, a.o, w.o_proj, out, false, rows, int64_t{H} * dv, D));
 }

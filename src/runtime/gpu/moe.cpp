@@ -1,6 +1,6 @@
 // The FFN modules on the GPU (GpuRank::moe, GpuRank::dense), the op sequence
 // of model/layers.h's moe_ffn / dense_ffn:
-//   router logits (FP32) -> biased top-k, renormalised weights -> z = W_down x
+//   router logits (FP32) and z = W_down x (one projection group) -> biased top-k, renormalised weights
 //   -> the routed experts (local, loopback, or the EP exchange over the world)
 //   -> y = RMSNorm(sum) -> W_up y + shared(x); dense: the SiTU-GLU MLP.
 #include "ops/elementwise.h"
@@ -35,10 +35,11 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t rows, Act outa, 
   const MoeScratch m = carve_moe(scratch, c_, dims_, rows);
   mark("moe.router_down");
   if (rows > 0) {
-    K3_LAUNCH(cu::linear(ctx_, x, w.gate, m.logits, true, rows, D, E));
+    // The router logits (FP32) and the latent down projection read the same rows: one group.
+    const cu::LinearOut px[2] = {{w.gate, m.logits, E, /*y_f32=*/true}, {w.down, m.z, L}};
+    K3_LAUNCH(cu::linear_group(ctx_, x, rows, D, px, 2));
     K3_LAUNCH(cu::route(m.logits, w.gate_bias, rows, static_cast<int>(E), k, e.renormalize, e.routed_scaling_factor,
                         m.idx, m.wts, s));
-    K3_LAUNCH(cu::linear(ctx_, x, w.down, m.z, false, rows, D, L));
   }
   const int count = static_cast<int>(w.experts.size());
   mark("moe.experts");
