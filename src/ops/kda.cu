@@ -96,7 +96,8 @@ __global__ void kda_gated_norm_kernel(const float* __restrict__ o, const bf16raw
 // on 132 SMs) the rows of a head spread over more, smaller CTAs (1 row per warp).
 // The per-row arithmetic (lane l owns float4 chunks l, l + 32, ...; shuffle sums)
 // does not depend on the split, so every configuration, and the replay, give the
-// same bits.
+// same bits. Every input (and the state read) is read-only for the kernel's lifetime
+// (the state written is the other buffer), so loads go through the read-only path.
 constexpr int kRecMaxThreads = 128;
 
 struct RecArgs {
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(kRecMaxThreads, 8) kda_rec_kernel(const RecArg
 #pragma unroll
       for (int c = 0; c < CMAX; ++c) {
         const int i = row0 + r, j4 = lane + 32 * c;
-        S[r][c] = (i < dv && j4 < nc4) ? S0[static_cast<int64_t>(i) * nc4 + j4] : zero4;
+        S[r][c] = (i < dv && j4 < nc4) ? __ldg(S0 + static_cast<int64_t>(i) * nc4 + j4) : zero4;
       }
   }
 
@@ -164,9 +165,9 @@ __global__ void __launch_bounds__(kRecMaxThreads, 8) kda_rec_kernel(const RecArg
     for (int c = 0; c < CMAX; ++c) {
       const int j4 = lane + 32 * c;
       if (j4 < nc4) {
-        kk[c] = k4[j4];
-        qq[c] = REPLAY ? zero4 : q4[j4];
-        const float4 gg = g4[j4];
+        kk[c] = __ldg(k4 + j4);
+        qq[c] = REPLAY ? zero4 : __ldg(q4 + j4);
+        const float4 gg = __ldg(g4 + j4);
         al[c] = make_float4(expf(gg.x), expf(gg.y), expf(gg.z), expf(gg.w));
         if (keep_k) {
           reinterpret_cast<float4*>(a.kept.k + krow * dk)[j4] = kk[c];
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(kRecMaxThreads, 8) kda_rec_kernel(const RecArg
         kk[c] = qq[c] = al[c] = zero4;
       }
     }
-    const float bt = REPLAY ? a.kept.beta[krow] : a.beta[row * H + h];
+    const float bt = REPLAY ? __ldg(a.kept.beta + krow) : __ldg(a.beta + row * H + h);
     if (keep_k && lane == 0) a.kept.beta[krow] = bt;
     const int64_t vb = (row * H + h) * dv;
 
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(kRecMaxThreads, 8) kda_rec_kernel(const RecArg
     for (int r = 0; r < RPW; ++r) {
       const int i = row0 + r;
       float vi = 0.f;
-      if (i < dv) vi = REPLAY ? a.kept.v[krow * dv + i] : __bfloat162float(a.v[vb + i]);
+      if (i < dv) vi = REPLAY ? __ldg(a.kept.v + krow * dv + i) : __bfloat162float(a.v[vb + i]);
       if (keep && lane == 0 && i < dv) a.kept.v[krow * dv + i] = vi;
       const float delta = bt * (vi - pred[r]);
       float acc = 0.f;
