@@ -21,6 +21,8 @@ TEST(BenchBytes, OpGroupsSumToTheStepAndMatchTheSpec) {
       mla_layers += c.attn_kinds[l] != AttnKind::KDA;
     }
     ASSERT_EQ(moe_layers, 92);
+    const int kda_layers = c.num_layers - mla_layers;
+    ASSERT_EQ(kda_layers, 69);
     for (int B : {1, 8, 64})
       for (int q : {1, 4}) {
         const auto by = step_bytes_by_op(c, rank0, B, q, 8192);
@@ -35,6 +37,12 @@ TEST(BenchBytes, OpGroupsSumToTheStepAndMatchTheSpec) {
         const double pairs = std::ceil(B * q * 16.0 / 8), touched = std::min(28.0, pairs);
         const double expert = 3 * (3584.0 * 3072 / 2 + 3584.0 * 3072 / 32);
         EXPECT_DOUBLE_EQ(by.at("moe.experts"), moe_layers * touched * expert) << variant << " B " << B << " q " << q;
+        // KDA recurrence, per layer and request: one state of 12 heads x 128 x 128 F32 read (the current
+        // buffer) and one written (the state after the last token, whatever q); a verify (q > 1) also keeps
+        // each token's k, g, v (3 x 12 x 128 F32) and beta (12 F32) for a partial commit.
+        const double kept = q > 1 ? double(B) * q * (3 * 12 * 128 + 12) * 4 : 0.0;
+        EXPECT_DOUBLE_EQ(by.at("kda.recurrence"), kda_layers * (B * 2 * 12 * 128 * 128 * 4.0 + kept))
+            << variant << " B " << B << " q " << q;
         // The merged shared experts: gate, up, down of 2 x 3072 by 7168, BF16, on every MoE layer.
         EXPECT_DOUBLE_EQ(by.at("moe.shared"), moe_layers * 3 * 6144.0 * 7168 * 2);
         if (std::string(variant) == "k3") {

@@ -305,6 +305,62 @@ TEST(ModelEngine, PartialAcceptEqualsDecodingTheAcceptedTokens) {
   }
 }
 
+// Every accept position of every verify width, both steps: a verify of q drafts committing n (0..q),
+// then a decode step, a verify of 3 accepting 2 and a rejected verify, equals a request that only ever
+// saw the accepted tokens. The KDA state of a partial accept is rebuilt at commit from the kept inputs
+// (n == q takes the step's state, n == 0 the old one), the conv states advance by the accepted inputs.
+TEST(ModelEngine, PartialAcceptAtEveryPositionBothSteps) {
+  for (const char* variant : kVariants) {
+    const Model& m = tiny(variant);
+    const int64_t V = m.config.vocab_size;
+    const int max_q = 4;
+    for (k3::StepKind kind : {k3::StepKind::Stock, k3::StepKind::Hybrid})
+      for (int q = 1; q <= max_q; ++q)
+        for (int n = 0; n <= q; ++n) {
+          const std::string what = std::string(variant) + (kind == k3::StepKind::Stock ? " stock" : " hybrid") +
+                                   " q " + std::to_string(q) + " n " + std::to_string(n);
+          SCOPED_TRACE(what);
+          k3::Rng rng(static_cast<uint64_t>(300 + 10 * q + n));
+          const auto prompt = random_tokens(rng, 6, m.config.vocab_size);
+          const auto draft = random_tokens(rng, q, m.config.vocab_size);
+          const auto c0 = random_tokens(rng, 1, m.config.vocab_size), c1 = random_tokens(rng, 3, m.config.vocab_size),
+                     c2 = random_tokens(rng, 2, m.config.vocab_size);
+          k3::EngineOptions o(opts(2, 40, max_q));
+          o.step = kind;
+          k3::Engine e(m.src, m.config, o);
+          const int s = e.admit();
+          e.prefill(s, prompt);
+          const int slots[1] = {s};
+          const Logits verify = e.step(slots, q, draft);
+          e.commit(s, n);
+          Logits cont = step1(e, s, c0);
+          const Logits l1 = step1(e, s, c1, 2);
+          cont.insert(cont.end(), l1.begin(), l1.end());
+          step1(e, s, c2, 0);
+          const Logits l2 = step1(e, s, c0);
+          cont.insert(cont.end(), l2.begin(), l2.end());
+
+          k3::Engine f(m.src, m.config, o);
+          const int t = f.admit();
+          const Logits fresh_prefill = f.prefill(t, concat(prompt, slice(draft, 0, static_cast<size_t>(n))));
+          Logits fresh = step1(f, t, c0);
+          const Logits f1 = step1(f, t, slice(c1, 0, 2));
+          // The fresh request's c1 step has 2 rows; the verify's first 2 rows are the same positions.
+          fresh.insert(fresh.end(), f1.begin(), f1.end());
+          const Logits f2 = step1(f, t, c0);
+          fresh.insert(fresh.end(), f2.begin(), f2.end());
+
+          expect_close(rows_of(fresh_prefill, V, 6, n), rows_of(verify, V, 0, n), V, kTight, what + " verify rows");
+          // cont: c0 (1 row), c1 (3 rows, 2 accepted), c0 (1 row); fresh: c0, c1[0..2), c0.
+          Logits cont_kept = rows_of(cont, V, 0, 3);
+          const Logits last = rows_of(cont, V, 4, 1);
+          cont_kept.insert(cont_kept.end(), last.begin(), last.end());
+          expect_close(fresh, cont_kept, V, kTight, what + " continuation");
+          EXPECT_EQ(e.length(s), f.length(t));
+        }
+  }
+}
+
 // The check above must be able to fail: committing a different number of tokens than the fresh
 // request saw changes the continuation (the states do carry the drafts).
 TEST(ModelEngine, PartialAcceptCheckIsSensitive) {

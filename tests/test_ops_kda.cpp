@@ -138,6 +138,28 @@ TEST(OpsShortConv, ChunkEqualsTokenByToken) {
   }
 }
 
+// The conv commit: advancing the state by the first n pre-conv inputs equals the state the conv
+// itself leaves after those n tokens, for every n (shorter and longer than K-1) and K.
+TEST(OpsShortConv, AdvanceEqualsTheConvState) {
+  Rng rng(603);
+  for (int K : {1, 2, 4, 8}) {
+    const int64_t C = 37, T = 9;
+    auto x = rand_act(rng, T * C, 1.5);
+    auto w = rand_f32(rng, C * K, 0.6);
+    const auto state0 = rand_act(rng, C * (K - 1), 1.5);
+    for (int64_t n = 0; n <= T; ++n) {
+      SCOPED_TRACE("K " + std::to_string(K) + " n " + std::to_string(n));
+      std::vector<float> conv = state0, y(static_cast<size_t>(std::max<int64_t>(n, 1) * C));
+      k3::ops::short_conv_silu(x.data(), w.data(), conv.data(), y.data(), nullptr, n, C, K);
+      std::vector<float> adv = state0;
+      k3::ops::short_conv_advance(x.data(), adv.data(), n, C, K);
+      EXPECT_EQ(adv, conv);
+      ConvRef ref = ref_conv(x, w, state0, n, C, K);
+      expect_exact(adv, ref.state, "advanced state");
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Gate, beta, l2 norm
 
@@ -336,6 +358,33 @@ TEST(OpsKdaRecurrence, ChunkEqualsTokenByToken) {
                             nullptr, T, d.H, d.dk, d.dv);
     EXPECT_EQ(o2, o);
     EXPECT_EQ(S2, S);
+  }
+}
+
+// The commit of a partial accept replays the kept inputs of the first n tokens: for every n in
+// 0..T the replayed state equals, bit for bit, the recurrence's state over those n tokens (the
+// step's arithmetic), and it does move (n > 0 changes the state).
+TEST(OpsKdaRecurrence, ReplayEqualsTheRecurrenceBitForBit) {
+  Rng rng(803);
+  const KdaDims dims[] = {{3, 16, 8}, {2, 7, 9}, {2, 128, 128}};
+  for (const auto& d : dims) {
+    const int64_t T = 6, vw = d.H * d.dv;
+    KdaInputs in = make_kda(rng, T, d.H, d.dk, d.dv);
+    for (int64_t n = 0; n <= T; ++n) {
+      SCOPED_TRACE("H " + std::to_string(d.H) + " dk " + std::to_string(d.dk) + " n " + std::to_string(n));
+      std::vector<float> S = in.S0, o(static_cast<size_t>(std::max<int64_t>(n, 1) * vw));
+      k3::ops::kda_recurrence(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), S.data(), o.data(),
+                              nullptr, n, d.H, d.dk, d.dv);
+      std::vector<float> R = in.S0;
+      k3::ops::kda_replay(in.k.data(), in.v.data(), in.g.data(), in.beta.data(), R.data(), n, d.H, d.dk, d.dv);
+      EXPECT_EQ(R, S);
+      if (n > 0) EXPECT_NE(R, in.S0);
+      // And against the float64 delta rule.
+      if (n > 0) {
+        KdaRef ref = ref_kda(in, n, d.H, d.dk, d.dv);
+        expect_close(R.data(), ref.S, static_cast<size_t>(d.dv) * d.dk, kF32Tol, false, "replayed S");
+      }
+    }
   }
 }
 

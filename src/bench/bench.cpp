@@ -100,8 +100,10 @@ std::map<std::string, double> step_bytes_by_op(const ModelConfig& c, const Shard
     if (c.attn_kinds[l] == AttnKind::KDA) {
       const double in_rows = std::ceil((4 * C + d + Hk) / 16) * 16;
       by["kda.in_proj"] += in_rows * D * 2;
-      by["kda.conv_gate"] += 3 * C * K * 4 + C * d * 2 + Hk * 4 + C * 4 + B * 3 * C * (K - 1) * 4 * (1 + q);
-      by["kda.recurrence"] += B * Hk * d * d * 4 * (1 + q);
+      // conv states read, the step's pre-conv inputs kept (F32, every token)
+      by["kda.conv_gate"] += 3 * C * K * 4 + C * d * 2 + Hk * 4 + C * 4 + B * 3 * C * (K - 1) * 4 + m * 3 * C * 4;
+      // the current state read, the state after the last token written, and (q > 1) the kept k, g, v, beta
+      by["kda.recurrence"] += B * Hk * d * d * 4 * 2 + (q > 1 ? m * (3 * C + Hk) * 4 : 0);
       by["kda.norm_o_proj"] += d * 4 + D * C * 2;
     } else {
       by["mla.proj"] += (Q * D + Q + Hm * (dn + P) * Q + E * D + R + Hm * dn * R) * 2;

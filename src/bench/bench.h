@@ -6,7 +6,10 @@
 // Bytes touched: every weight the step reads (all attention, replicated MoE
 // parts, dense MLP, lm_head slice, the embedding rows, the routed experts
 // that receive at least one token: min(local experts, pairs) of them), the
-// KDA states read and the per-token history written, the latent cache (and
+// KDA states read and written (one recurrent state per request: the state
+// after the step's last token) with the inputs a verify keeps for a partial
+// commit (pre-conv q, k, v; with q > 1 the recurrence's k, g, v, beta), the
+// latent cache (and
 // DSA indexer keys) read; activations are ignored (they stay in L2).
 #pragma once
 

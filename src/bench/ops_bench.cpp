@@ -281,28 +281,55 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
   }
   // 3. KDA recurrence: 12 heads of 128 x 128 FP32 state per request, q tokens.
   if (want("kda")) {
-    fmt::print("\nKDA recurrence (12 heads, d 128): state read once, one history row written per token\n");
+    fmt::print("\nKDA recurrence (12 heads, d 128): state read once, the last token's state written once, "
+               "q > 1 keeps k, g, v, beta\n");
     {
       const int H = 12, d = 128, maxB = 64, maxq = 8;
       const int64_t C = int64_t{H} * d, state = int64_t{H} * d * d;
-      DeviceBuffer pool = random_buffer(maxB * state * 4, 1, s, 4), hist(int64_t{maxB} * maxq * state * 4);
+      DeviceBuffer pool = random_buffer(2 * maxB * state * 4, 1, s, 4);
+      DeviceBuffer kept_buf(int64_t{maxB} * maxq * (3 * C + H) * 4);
+      float* kb = kept_buf.get<float>();
+      const int64_t kn = int64_t{maxB} * maxq * C;
+      const cu::KdaKept kept{kb, kb + kn, kb + 2 * kn, kb + 3 * kn};
       DeviceBuffer q = random_buffer(maxB * maxq * C * 4, 1, s, 5), k = random_buffer(maxB * maxq * C * 4, 1, s, 6);
       DeviceBuffer v = random_buffer(maxB * maxq * C * 2, 0, s, 7), g = random_buffer(maxB * maxq * C * 4, 1, s, 8);
       DeviceBuffer beta = random_buffer(maxB * maxq * H * 4, 1, s, 9), o(maxB * maxq * C * 4), slots(maxB * 4);
-      std::vector<int32_t> sl(maxB);
-      for (int b = 0; b < maxB; ++b) sl[b] = b;
+      DeviceBuffer idx(2 * maxB * 4), acc(maxB * 4);
+      std::vector<int32_t> sl(maxB), ix(2 * maxB), ac(maxB);
+      for (int b = 0; b < maxB; ++b) {
+        sl[b] = b;
+        ix[b] = 2 * b;
+        ix[maxB + b] = 2 * b + 1;
+      }
       CUDA_CHECK(cudaMemcpy(slots.get(), sl.data(), maxB * 4, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(idx.get(), ix.data(), 2 * maxB * 4, cudaMemcpyHostToDevice));
+      const int32_t* rd = idx.get<int32_t>();
+      const int32_t* wr = rd + maxB;
       for (int B : {1, 8, 64})
         for (int qq : {1, 2, 4, 8}) {
           const double us = time_us(s, [&] {
             K3_OK(cu::kda_recurrence(q.get<float>(), k.get<float>(), v.get<bf16>(), g.get<float>(), beta.get<float>(),
-                                     pool.get<float>(), hist.get<float>(), slots.get<int32_t>(), o.get<float>(), B, qq,
+                                     pool.get<float>(), rd, wr, kept, slots.get<int32_t>(), o.get<float>(), B, qq,
                                      maxq, H, d, d, s));
           });
-          const double bytes = double(B) * state * 4 * (1 + qq);
+          const double bytes = double(B) * state * 4 * 2 + (qq > 1 ? double(B) * qq * (3 * C + H) * 4 : 0.0);
           fmt::print("  B {:>2} q {}: {:>8.1f} us, floor {:>7.1f} us, {:>5.0f}%\n", B, qq, us, bytes / bw * 1e6,
                      100 * bytes / bw * 1e6 / us);
           record("kda_recurrence", fmt::format("B{} q{}", B, qq), us, bytes, {{"B", B}, {"q", qq}});
+        }
+      // The commit of a partial accept: replay n = q - 1 of q kept tokens (state read, state written).
+      for (int B : {1, 8, 64})
+        for (int qq : {2, 4, 8}) {
+          for (int b = 0; b < maxB; ++b) ac[b] = qq - 1;
+          CUDA_CHECK(cudaMemcpy(acc.get(), ac.data(), maxB * 4, cudaMemcpyHostToDevice));
+          const double us = time_us(s, [&] {
+            K3_OK(cu::kda_replay(kept, pool.get<float>(), rd, wr, slots.get<int32_t>(), acc.get<int32_t>(), B, qq,
+                                 maxq, H, d, d, s));
+          });
+          const double bytes = double(B) * state * 4 * 2 + double(B) * (qq - 1) * (3 * C + H) * 4;
+          fmt::print("  replay B {:>2} n {}: {:>8.1f} us, floor {:>7.1f} us, {:>5.0f}%\n", B, qq - 1, us,
+                     bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us);
+          record("kda_replay", fmt::format("B{} n{}", B, qq - 1), us, bytes, {{"B", B}, {"n", qq - 1}});
         }
     }
 

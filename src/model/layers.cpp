@@ -43,20 +43,25 @@ void kda_attention(const ModelConfig& c, const KdaWeights& w, int layer, const f
   ops::kda_beta(beta.data(), beta.data(), rows, H);
   const float* conv_w[3] = {w.q_conv, w.k_conv, w.v_conv};
   Buf act[3] = {buf(rows * C), buf(rows * C), buf(rows * C)};
-  Buf o = buf(rows * C), state = buf(C * d), conv_state = buf(C * (K - 1));
+  Buf o = buf(rows * C), conv_state = buf(C * (K - 1));
   for (int b = 0; b < s.B; ++b) {
     KdaSlotState st = cache.kda(layer, b);
     const int64_t r0 = b * q;
     for (int j = 0; j < 3; ++j) {
+      std::copy(raw[j].begin() + r0 * C, raw[j].begin() + (r0 + q) * C, st.conv_x[j]);
       std::copy(st.conv[j], st.conv[j] + C * (K - 1), conv_state.begin());
-      ops::short_conv_silu(raw[j].data() + r0 * C, conv_w[j], conv_state.data(), act[j].data() + r0 * C,
-                           st.conv_hist[j], q, C, K);
+      ops::short_conv_silu(raw[j].data() + r0 * C, conv_w[j], conv_state.data(), act[j].data() + r0 * C, nullptr, q,
+                           C, K);
     }
     ops::l2norm_heads(act[0].data() + r0 * C, q, H, d, 1.0f / std::sqrt(static_cast<float>(d)));
     ops::l2norm_heads(act[1].data() + r0 * C, q, H, d, 1.0f);
-    std::copy(st.S, st.S + state.size(), state.begin());
+    std::copy(st.S, st.S + C * d, st.S_next);
     ops::kda_recurrence(act[0].data() + r0 * C, act[1].data() + r0 * C, act[2].data() + r0 * C, g.data() + r0 * C,
-                        beta.data() + r0 * H, state.data(), o.data() + r0 * C, st.S_hist, q, H, d, d);
+                        beta.data() + r0 * H, st.S_next, o.data() + r0 * C, nullptr, q, H, d, d);
+    std::copy(act[1].begin() + r0 * C, act[1].begin() + (r0 + q) * C, st.kept_k);
+    std::copy(act[2].begin() + r0 * C, act[2].begin() + (r0 + q) * C, st.kept_v);
+    std::copy(g.begin() + r0 * C, g.begin() + (r0 + q) * C, st.kept_g);
+    std::copy(beta.begin() + r0 * H, beta.begin() + (r0 + q) * H, st.kept_beta);
   }
   Buf normed = buf(rows * C);
   ops::kda_gated_norm(o.data(), gate.data(), w.o_norm, c.rms_norm_eps, normed.data(), rows, H, d);

@@ -8,8 +8,9 @@
 //   g = lower * sigmoid(exp(A_log) (W_fb W_fa x + dt_bias)); beta = sigmoid(W_b x)
 //   S' = S diag(exp g); S = S' + beta (v - S' k) k^T; o = S q
 //   out = W_o [RMSNorm(o_h; o_norm) * sigmoid(W_g x)_h]_h
-// The committed state is never written during a step: the state after each
-// token goes to the cache's history slots and the runtime commits one of them.
+// The committed state is never written during a step: the state after the
+// last token goes to the slot's other state buffer, and the step keeps its
+// per-token inputs so that the runtime can commit any accepted prefix.
 //
 // MLA / DSA (mla_attention), absorbed decode:
 //   c_q = RMSNorm(W_qa x); q = W_qb c_q; [c_kv, k_pe] = W_kva x; c_kv = RMSNorm(c_kv)
@@ -57,12 +58,20 @@ struct StepShape {
   int64_t rows() const { return int64_t{B} * q; }
 };
 
-// One request's KDA state for one layer during a step.
+// One request's KDA state for one layer during a step. The step reads the
+// committed states and never writes them: it writes the recurrent state after
+// its last token to S_next (the slot's other state buffer) and keeps its
+// per-token inputs (pre-conv q, k, v; the recurrence's k, v, g, beta), from
+// which commit(n) rebuilds the state after any n accepted tokens.
 struct KdaSlotState {
   const float* conv[3] = {};  // committed q, k, v conv states [C, K-1] (C = H d)
-  float* conv_hist[3] = {};   // [q, C, K-1]: the state after each token of the step
+  float* conv_x[3] = {};      // [q, C]: the step's pre-conv q, k, v inputs
   const float* S = nullptr;   // committed recurrent state [H, d, d] F32
-  float* S_hist = nullptr;    // [q, H, d, d]: the state after each token of the step
+  float* S_next = nullptr;    // [H, d, d]: the state after the step's last token
+  float* kept_k = nullptr;    // [q, H, d]: the recurrence's (normalized) k per token
+  float* kept_g = nullptr;    // [q, H, d]: its log decay g
+  float* kept_v = nullptr;    // [q, H, d]: its v
+  float* kept_beta = nullptr; // [q, H]: its beta
 };
 
 // What the attention modules need from the runtime's caches.

@@ -46,9 +46,12 @@ void l2norm_heads(float* x, int64_t T, int H, int d, float scale) {
   }
 }
 
-void kda_recurrence(const float* q, const float* k, const float* v, const float* g, const float* beta, float* S,
-                    float* o, float* S_hist, int64_t T, int H, int dk, int dv) {
-  K3_CHECK(T >= 0 && H > 0 && dk > 0 && dv > 0, "kda_recurrence: bad shape T {} H {} dk {} dv {}", T, H, dk, dv);
+namespace {
+
+// The recurrence of kda_recurrence / kda_replay: one code path, so that a replay of the
+// kept inputs yields bit for bit the state of the step (q, o null: no output).
+void recur(const float* q, const float* k, const float* v, const float* g, const float* beta, float* S, float* o,
+           float* S_hist, int64_t T, int H, int dk, int dv) {
   const int64_t state = static_cast<int64_t>(dv) * dk;
   std::vector<float> alpha(static_cast<size_t>(dk));
   for (int h = 0; h < H; ++h) {
@@ -56,7 +59,6 @@ void kda_recurrence(const float* q, const float* k, const float* v, const float*
     for (int64_t t = 0; t < T; ++t) {
       const int64_t kb = (t * H + h) * dk;
       const int64_t vb = (t * H + h) * dv;
-      const float* qt = q + kb;
       const float* kt = k + kb;
       const float b = beta[t * H + h];
       for (int j = 0; j < dk; ++j) alpha[j] = std::exp(g[kb + j]);
@@ -68,16 +70,32 @@ void kda_recurrence(const float* q, const float* k, const float* v, const float*
           pred += row[j] * kt[j];
         }
         const float delta = b * (v[vb + i] - pred);
-        float oi = 0.0f;  // (S q)_i
-        for (int j = 0; j < dk; ++j) {
-          row[j] += delta * kt[j];
-          oi += row[j] * qt[j];
+        for (int j = 0; j < dk; ++j) row[j] += delta * kt[j];
+        if (o != nullptr) {
+          const float* qt = q + kb;
+          float oi = 0.0f;  // (S q)_i
+          for (int j = 0; j < dk; ++j) oi += row[j] * qt[j];
+          o[vb + i] = oi;
         }
-        o[vb + i] = oi;
       }
       if (S_hist != nullptr) std::memcpy(S_hist + (t * H + h) * state, Sh, sizeof(float) * state);
     }
   }
+}
+
+}  // namespace
+
+void kda_recurrence(const float* q, const float* k, const float* v, const float* g, const float* beta, float* S,
+                    float* o, float* S_hist, int64_t T, int H, int dk, int dv) {
+  K3_CHECK(T >= 0 && H > 0 && dk > 0 && dv > 0, "kda_recurrence: bad shape T {} H {} dk {} dv {}", T, H, dk, dv);
+  K3_CHECK(q != nullptr && o != nullptr, "kda_recurrence: q and o are required");
+  recur(q, k, v, g, beta, S, o, S_hist, T, H, dk, dv);
+}
+
+void kda_replay(const float* k, const float* v, const float* g, const float* beta, float* S, int64_t T, int H, int dk,
+                int dv) {
+  K3_CHECK(T >= 0 && H > 0 && dk > 0 && dv > 0, "kda_replay: bad shape T {} H {} dk {} dv {}", T, H, dk, dv);
+  recur(nullptr, k, v, g, beta, S, nullptr, nullptr, T, H, dk, dv);
 }
 
 void kda_gated_norm(const float* o, const float* gate, const float* o_norm_w, float eps, float* out, int64_t T, int H,

@@ -4,12 +4,13 @@
 //   l2norm_heads, kda_gated_norm: one warp per (row, head); the sum of squares in
 //     double like the CPU reference, then the same FP32 ops and BF16 roundings.
 //   kda_recurrence: rows of S [dv, dk] evolve independently, so a CTA of 4 warps owns
-//     8 rows of one (request, head); each lane keeps float4 column chunks of its
-//     warp's 2 rows in registers (coalesced 512 B row loads), loops the q_len tokens,
-//     reduces S' k and S q over dk with warp shuffles, and writes the state after
-//     every token to the slot's history row: the committed state is read once and the
-//     history written once per token, nothing else touches the state bytes.
-//   commit_state: a vectorized copy of the accepted history row per request.
+//     8 rows of one (request, head) (fewer rows per CTA when that leaves SMs idle);
+//     each lane keeps float4 column chunks of its warp's rows in registers (coalesced
+//     512 B row loads), loops the q_len tokens, reduces S' k and S q over dk with warp
+//     shuffles, and writes the state after the last token to the slot's other state
+//     buffer: one state read and one written per request, whatever q_len. With
+//     q_len > 1 it keeps the tokens' k, g, v, beta (small) for a partial commit.
+//   kda_replay: the same kernel on the kept inputs of the first n accepted tokens.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -89,71 +90,101 @@ __global__ void kda_gated_norm_kernel(const float* __restrict__ o, const bf16raw
   }
 }
 
-// ---- recurrence ----
-constexpr int kRecWarps = 4;
-constexpr int kRowsPerWarp = 2;
-constexpr int kRecThreads = kRecWarps * 32;
-constexpr int kRowsPerCta = kRecWarps * kRowsPerWarp;
+// ---- recurrence (step) and replay (commit of n < q accepted tokens) ----
+// A warp owns RPW rows of one (request, head); a CTA `warps` warps. 4 warps x 2 rows
+// by default; when that gives too few CTAs to fill the GPU (B = 1: 12 heads x 16 CTAs
+// on 132 SMs) the rows of a head spread over more, smaller CTAs (1 row per warp).
+// The per-row arithmetic (lane l owns float4 chunks l, l + 32, ...; shuffle sums)
+// does not depend on the split, so every configuration, and the replay, give the
+// same bits. Every input (and the state read) is read-only for the kernel's lifetime
+// (the state written is the other buffer), so loads go through the read-only path.
+constexpr int kRecMaxThreads = 128;
+
+struct RecArgs {
+  // step inputs (null in the replay)
+  const float* q;
+  const float* k;
+  const bf16raw* v;
+  const float* g;
+  const float* beta;
+  float* o;
+  // states and the kept inputs
+  float* state_pool;
+  const int32_t* read_idx;
+  const int32_t* write_idx;
+  KdaKept kept;
+  const int32_t* slots;
+  const int32_t* accepted;  // replay only
+  int q_len, max_q, H, dk, dv;
+};
 
 __device__ __forceinline__ float dot4(const float4& a, const float4& b) {
   return a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
 }
 
-// CMAX: float4 chunks per lane per row (dk <= 128 CMAX). Lane l owns chunks l, l + 32, ...
-template <int CMAX>
-__global__ void __launch_bounds__(kRecThreads, 8)
-    kda_recurrence_kernel(const float* __restrict__ q, const float* __restrict__ k, const bf16raw* __restrict__ v,
-                          const float* __restrict__ g, const float* __restrict__ beta,
-                          const float* __restrict__ state_pool, float* __restrict__ hist_pool,
-                          const int32_t* __restrict__ slots, float* __restrict__ o, int q_len, int max_q, int H, int dk,
-                          int dv) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int b = blockIdx.z, h = blockIdx.y;
-  const int row0 = blockIdx.x * kRowsPerCta + warp * kRowsPerWarp;
+// CMAX: float4 chunks per lane per row (dk <= 128 CMAX); RPW rows per warp; REPLAY: the commit's replay
+// (inputs from the kept pool, n = accepted[b] tokens, no output) instead of the step.
+template <int CMAX, int RPW, bool REPLAY>
+__global__ void __launch_bounds__(kRecMaxThreads, 8) kda_rec_kernel(const RecArgs a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const int b = blockIdx.z, h = blockIdx.y, H = a.H, dk = a.dk, dv = a.dv;
+  const int row0 = (blockIdx.x * warps + warp) * RPW;
   if (row0 >= dv) return;  // warp-uniform, and no CTA-wide barrier below
-  const int64_t slot = slots[b];
+  int n = a.q_len;
+  if (REPLAY) {
+    n = a.accepted[b];
+    if (n <= 0 || n >= a.q_len) return;
+  }
+  const int64_t slot = a.slots != nullptr ? a.slots[b] : b;
   const int64_t state = static_cast<int64_t>(dv) * dk;
   const int nc4 = dk / 4;
   const float4 zero4 = make_float4(0.f, 0.f, 0.f, 0.f);
+  const bool keep = !REPLAY && a.q_len > 1 && a.kept.k != nullptr;
+  const bool keep_k = keep && blockIdx.x == 0 && warp == 0;  // one warp per (request, head) keeps k, g, beta
 
-  float4 S[kRowsPerWarp][CMAX];
+  float4 S[RPW][CMAX];
   {
-    const float4* S0 = reinterpret_cast<const float4*>(state_pool + (slot * H + h) * state);
+    const float4* S0 = reinterpret_cast<const float4*>(a.state_pool + (int64_t{a.read_idx[b]} * H + h) * state);
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r)
+    for (int r = 0; r < RPW; ++r)
 #pragma unroll
       for (int c = 0; c < CMAX; ++c) {
         const int i = row0 + r, j4 = lane + 32 * c;
-        S[r][c] = (i < dv && j4 < nc4) ? S0[static_cast<int64_t>(i) * nc4 + j4] : zero4;
+        S[r][c] = (i < dv && j4 < nc4) ? __ldg(S0 + static_cast<int64_t>(i) * nc4 + j4) : zero4;
       }
   }
 
-  for (int t = 0; t < q_len; ++t) {
-    const int64_t row = static_cast<int64_t>(b) * q_len + t;
-    const int64_t kb = (row * H + h) * dk;
-    const float4* k4 = reinterpret_cast<const float4*>(k + kb);
-    const float4* q4 = reinterpret_cast<const float4*>(q + kb);
-    const float4* g4 = reinterpret_cast<const float4*>(g + kb);
+  for (int t = 0; t < n; ++t) {
+    const int64_t row = static_cast<int64_t>(b) * a.q_len + t;  // the step's row
+    const int64_t krow = (slot * a.max_q + t) * H + h;          // the slot's kept row
+    const float4* k4 = reinterpret_cast<const float4*>(REPLAY ? a.kept.k + krow * dk : a.k + (row * H + h) * dk);
+    const float4* g4 = reinterpret_cast<const float4*>(REPLAY ? a.kept.g + krow * dk : a.g + (row * H + h) * dk);
+    const float4* q4 = reinterpret_cast<const float4*>(REPLAY ? nullptr : a.q + (row * H + h) * dk);
     float4 kk[CMAX], qq[CMAX], al[CMAX];
 #pragma unroll
     for (int c = 0; c < CMAX; ++c) {
       const int j4 = lane + 32 * c;
       if (j4 < nc4) {
-        kk[c] = k4[j4];
-        qq[c] = q4[j4];
-        const float4 gg = g4[j4];
+        kk[c] = __ldg(k4 + j4);
+        qq[c] = REPLAY ? zero4 : __ldg(q4 + j4);
+        const float4 gg = __ldg(g4 + j4);
         al[c] = make_float4(expf(gg.x), expf(gg.y), expf(gg.z), expf(gg.w));
+        if (keep_k) {
+          reinterpret_cast<float4*>(a.kept.k + krow * dk)[j4] = kk[c];
+          reinterpret_cast<float4*>(a.kept.g + krow * dk)[j4] = gg;
+        }
       } else {
         kk[c] = qq[c] = al[c] = zero4;
       }
     }
-    const float bt = beta[row * H + h];
+    const float bt = REPLAY ? __ldg(a.kept.beta + krow) : __ldg(a.beta + row * H + h);
+    if (keep_k && lane == 0) a.kept.beta[krow] = bt;
     const int64_t vb = (row * H + h) * dv;
 
     // S' = S diag(alpha); pred = S' k
-    float pred[kRowsPerWarp];
+    float pred[RPW];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
+    for (int r = 0; r < RPW; ++r) {
       float p = 0.f;
 #pragma unroll
       for (int c = 0; c < CMAX; ++c) {
@@ -166,14 +197,16 @@ __global__ void __launch_bounds__(kRecThreads, 8)
       pred[r] = p;
     }
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) pred[r] = warp_sum(pred[r]);
+    for (int r = 0; r < RPW; ++r) pred[r] = warp_sum(pred[r]);
 
     // delta = beta (v - S' k); S = S' + delta k^T; o = S q
-    float oi[kRowsPerWarp];
+    float oi[RPW];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
+    for (int r = 0; r < RPW; ++r) {
       const int i = row0 + r;
-      const float vi = i < dv ? __bfloat162float(v[vb + i]) : 0.f;
+      float vi = 0.f;
+      if (i < dv) vi = REPLAY ? __ldg(a.kept.v + krow * dv + i) : __bfloat162float(a.v[vb + i]);
+      if (keep && lane == 0 && i < dv) a.kept.v[krow * dv + i] = vi;
       const float delta = bt * (vi - pred[r]);
       float acc = 0.f;
 #pragma unroll
@@ -182,51 +215,69 @@ __global__ void __launch_bounds__(kRecThreads, 8)
         S[r][c].y += delta * kk[c].y;
         S[r][c].z += delta * kk[c].z;
         S[r][c].w += delta * kk[c].w;
-        acc += dot4(S[r][c], qq[c]);
+        if (!REPLAY) acc += dot4(S[r][c], qq[c]);
       }
       oi[r] = acc;
     }
+    if (!REPLAY) {
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) oi[r] = warp_sum(oi[r]);
+      for (int r = 0; r < RPW; ++r) oi[r] = warp_sum(oi[r]);
+#pragma unroll
+      for (int r = 0; r < RPW; ++r)
+        if (lane == 0 && row0 + r < dv) a.o[vb + row0 + r] = oi[r];
+    }
+  }
 
-    float4* Ht = reinterpret_cast<float4*>(hist_pool + ((slot * max_q + t) * H + h) * state);
+  float4* Sw = reinterpret_cast<float4*>(a.state_pool + (int64_t{a.write_idx[b]} * H + h) * state);
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int i = row0 + r;
-      if (i >= dv) continue;
-      if (lane == 0) o[vb + i] = oi[r];
+  for (int r = 0; r < RPW; ++r) {
+    const int i = row0 + r;
+    if (i >= dv) continue;
 #pragma unroll
-      for (int c = 0; c < CMAX; ++c) {
-        const int j4 = lane + 32 * c;
-        if (j4 < nc4) Ht[static_cast<int64_t>(i) * nc4 + j4] = S[r][c];
-      }
+    for (int c = 0; c < CMAX; ++c) {
+      const int j4 = lane + 32 * c;
+      if (j4 < nc4) Sw[static_cast<int64_t>(i) * nc4 + j4] = S[r][c];
     }
   }
 }
 
-// ---- commit ----
-constexpr int kCommitThreads = 256;
+int num_sms() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) !=
+                                                  cudaSuccess || v <= 0)
+      return 132;
+    return v;
+  }();
+  return n;
+}
 
-template <bool VEC4>
-__global__ void commit_state_kernel(const float* __restrict__ hist_pool, float* __restrict__ pool,
-                                    const int32_t* __restrict__ slots, const int32_t* __restrict__ accepted, int max_q,
-                                    int64_t floats_per_state) {
-  const int b = blockIdx.y;
-  const int n = accepted[b];
-  if (n < 1 || n > max_q) return;
-  const int64_t slot = slots[b];
-  const float* src = hist_pool + (slot * max_q + (n - 1)) * floats_per_state;
-  float* dst = pool + slot * floats_per_state;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kCommitThreads;
-  const int64_t start = static_cast<int64_t>(blockIdx.x) * kCommitThreads + threadIdx.x;
-  if (VEC4) {
-    const int64_t n4 = floats_per_state / 4;
-    const float4* s4 = reinterpret_cast<const float4*>(src);
-    float4* d4 = reinterpret_cast<float4*>(dst);
-    for (int64_t i = start; i < n4; i += stride) d4[i] = s4[i];
-  } else {
-    for (int64_t i = start; i < floats_per_state; i += stride) dst[i] = src[i];
+template <bool REPLAY>
+int launch_rec(const RecArgs& a, int B, CUstream_st* stream) {
+  // 4 warps x 2 rows per CTA, unless that leaves fewer than 2 CTAs per SM: then 1 row per warp, and
+  // 2 warps per CTA if still short.
+  const int64_t heads = int64_t{B} * a.H, target = 2 * int64_t{num_sms()};
+  int warps = 4, rpw = 2;
+  if (heads * ((a.dv + 7) / 8) < target) {
+    rpw = 1;
+    if (heads * ((a.dv + 3) / 4) < target) warps = 2;
   }
+  const int rows_per_cta = warps * rpw;
+  const dim3 grid(static_cast<unsigned>((a.dv + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(a.H),
+                  static_cast<unsigned>(B));
+  const unsigned threads = static_cast<unsigned>(warps * 32);
+  if (a.dk <= 128) {
+    if (rpw == 2)
+      kda_rec_kernel<1, 2, REPLAY><<<grid, threads, 0, stream>>>(a);
+    else
+      kda_rec_kernel<1, 1, REPLAY><<<grid, threads, 0, stream>>>(a);
+  } else {
+    if (rpw == 2)
+      kda_rec_kernel<2, 2, REPLAY><<<grid, threads, 0, stream>>>(a);
+    else
+      kda_rec_kernel<2, 1, REPLAY><<<grid, threads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -259,23 +310,58 @@ int l2norm_heads(const bf16* x, float* out, int64_t rows, int H, int d, float sc
   return cudaGetLastError();
 }
 
-int kda_recurrence(const float* q, const float* k, const bf16* v, const float* g, const float* beta,
-                   const float* state_pool, float* hist_pool, const int32_t* slots, float* o, int B, int q_len,
-                   int max_q, int H, int dk, int dv, CUstream_st* stream) {
+int kda_recurrence(const float* q, const float* k, const bf16* v, const float* g, const float* beta, float* state_pool,
+                   const int32_t* read_idx, const int32_t* write_idx, KdaKept kept, const int32_t* slots, float* o,
+                   int B, int q_len, int max_q, int H, int dk, int dv, CUstream_st* stream) {
   if (B < 0 || q_len < 0 || q_len > max_q || H <= 0 || dv <= 0 || dk <= 0 || dk % 4 != 0 || dk > 256 || !aligned16(q) ||
-      !aligned16(k) || !aligned16(g) || !aligned16(state_pool) || !aligned16(hist_pool))
+      !aligned16(k) || !aligned16(g) || !aligned16(state_pool) || !aligned16(kept.k) || !aligned16(kept.g))
+    return cudaErrorInvalidValue;
+  if (kept.k != nullptr && (kept.g == nullptr || kept.v == nullptr || kept.beta == nullptr || slots == nullptr))
     return cudaErrorInvalidValue;
   if (B == 0 || q_len == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((dv + kRowsPerCta - 1) / kRowsPerCta), static_cast<unsigned>(H),
-                  static_cast<unsigned>(B));
-  const auto* vr = reinterpret_cast<const bf16raw*>(v);
-  if (dk <= 128)
-    kda_recurrence_kernel<1>
-        <<<grid, kRecThreads, 0, stream>>>(q, k, vr, g, beta, state_pool, hist_pool, slots, o, q_len, max_q, H, dk, dv);
-  else
-    kda_recurrence_kernel<2>
-        <<<grid, kRecThreads, 0, stream>>>(q, k, vr, g, beta, state_pool, hist_pool, slots, o, q_len, max_q, H, dk, dv);
-  return cudaGetLastError();
+  RecArgs a{};
+  a.q = q;
+  a.k = k;
+  a.v = reinterpret_cast<const bf16raw*>(v);
+  a.g = g;
+  a.beta = beta;
+  a.o = o;
+  a.state_pool = state_pool;
+  a.read_idx = read_idx;
+  a.write_idx = write_idx;
+  a.kept = kept;
+  a.slots = slots;
+  a.q_len = q_len;
+  a.max_q = max_q;
+  a.H = H;
+  a.dk = dk;
+  a.dv = dv;
+  return launch_rec<false>(a, B, stream);
+}
+
+int kda_replay(KdaKept kept, float* state_pool, const int32_t* read_idx, const int32_t* write_idx,
+               const int32_t* slots, const int32_t* accepted, int B, int q_len, int max_q, int H, int dk, int dv,
+               CUstream_st* stream) {
+  if (B < 0 || q_len < 0 || q_len > max_q || H <= 0 || dv <= 0 || dk <= 0 || dk % 4 != 0 || dk > 256 ||
+      !aligned16(state_pool) || !aligned16(kept.k) || !aligned16(kept.g))
+    return cudaErrorInvalidValue;
+  if (B == 0 || q_len <= 1) return cudaSuccess;  // n < q_len <= 1: nothing to replay
+  if (kept.k == nullptr || kept.g == nullptr || kept.v == nullptr || kept.beta == nullptr || slots == nullptr ||
+      accepted == nullptr)
+    return cudaErrorInvalidValue;
+  RecArgs a{};
+  a.state_pool = state_pool;
+  a.read_idx = read_idx;
+  a.write_idx = write_idx;
+  a.kept = kept;
+  a.slots = slots;
+  a.accepted = accepted;
+  a.q_len = q_len;
+  a.max_q = max_q;
+  a.H = H;
+  a.dk = dk;
+  a.dv = dv;
+  return launch_rec<true>(a, B, stream);
 }
 
 int kda_gated_norm(const float* o, const bf16* gate, int64_t gate_ld, const float* o_norm_w, float eps, bf16* out,
@@ -285,23 +371,6 @@ int kda_gated_norm(const float* o, const bf16* gate, int64_t gate_ld, const floa
   if (pairs == 0) return cudaSuccess;
   kda_gated_norm_kernel<<<blocks_for(pairs, kNormWarps), kNormWarps * 32, 0, stream>>>(
       o, reinterpret_cast<const bf16raw*>(gate), gate_ld, o_norm_w, eps, reinterpret_cast<bf16raw*>(out), pairs, H, dv);
-  return cudaGetLastError();
-}
-
-int commit_state(const float* hist_pool, float* pool, const int32_t* slots, const int32_t* accepted, int B, int max_q,
-                 int64_t floats_per_state, CUstream_st* stream) {
-  if (B < 0 || max_q < 1 || floats_per_state < 0) return cudaErrorInvalidValue;
-  if (B == 0 || floats_per_state == 0) return cudaSuccess;
-  const bool vec4 = floats_per_state % 4 == 0 && aligned16(hist_pool) && aligned16(pool);
-  const int64_t units = vec4 ? floats_per_state / 4 : floats_per_state;
-  const int64_t want = (units + kCommitThreads * 4 - 1) / (kCommitThreads * 4);  // ~4 units per thread
-  const dim3 grid(static_cast<unsigned>(want < 1 ? 1 : (want > 1024 ? 1024 : want)), static_cast<unsigned>(B));
-  if (vec4)
-    commit_state_kernel<true>
-        <<<grid, kCommitThreads, 0, stream>>>(hist_pool, pool, slots, accepted, max_q, floats_per_state);
-  else
-    commit_state_kernel<false>
-        <<<grid, kCommitThreads, 0, stream>>>(hist_pool, pool, slots, accepted, max_q, floats_per_state);
   return cudaGetLastError();
 }
 

@@ -1,4 +1,5 @@
-// CPU reference of KDA's causal short convolution + SiLU with per-token history (ops/short_conv.h).
+// CPU reference of KDA's causal short convolution + SiLU (optional per-token history) and of the
+// commit's state advance (ops/short_conv.h).
 #include "ops/short_conv.h"
 
 #include <cmath>
@@ -30,6 +31,18 @@ void short_conv_silu(const float* x, const float* w, float* state, float* y, flo
       }
     }
     for (int j = 0; j < S; ++j) sc[j] = win[j];
+  }
+}
+
+void short_conv_advance(const float* x, float* state, int64_t n, int64_t C, int K) {
+  K3_CHECK(n >= 0 && C > 0 && K >= 1, "short_conv_advance: bad shape n {} C {} K {}", n, C, K);
+  const int S = K - 1;
+  std::vector<float> win(static_cast<size_t>(S + n));
+  for (int64_t c = 0; c < C; ++c) {
+    float* sc = state + c * S;
+    for (int j = 0; j < S; ++j) win[j] = sc[j];
+    for (int64_t t = 0; t < n; ++t) win[S + t] = x[t * C + c];
+    for (int j = 0; j < S; ++j) sc[j] = win[n + j];
   }
 }
 

@@ -2,10 +2,11 @@
 //
 // One thread per (request, channel): it reads the committed state of its
 // channel (K-1 floats) once, keeps the K-wide window in registers, loops the
-// request's q_len tokens in order, writes y and the state after every token
-// into the slot's history rows. Loads of x / stores of y are coalesced over
-// channels; the committed state is never written (commit_state copies a
-// history row later). FP32 arithmetic in the CPU's order, SiLU as z / (1 + e^-z).
+// request's q_len tokens in order, writes y and keeps each token's input x
+// (F32) in the slot's rows of x_kept. Loads of x / stores of y are coalesced
+// over channels; the committed state is never written: short_conv_commit
+// shifts the accepted inputs into it later. FP32 arithmetic in the CPU's
+// order, SiLU as z / (1 + e^-z).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -18,7 +19,7 @@ constexpr int kMaxK = 8;
 constexpr int kThreads = 256;
 
 __global__ void short_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, int64_t x_ld, const float* __restrict__ w,
-                                       const float* __restrict__ conv_pool, float* __restrict__ hist_pool,
+                                       const float* __restrict__ conv_pool, float* __restrict__ x_kept,
                                        const int32_t* __restrict__ slots, __nv_bfloat16* __restrict__ y, int q_len,
                                        int max_q, int64_t C, int K) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
@@ -47,23 +48,56 @@ __global__ void short_conv_silu_kernel(const __nv_bfloat16* __restrict__ x, int6
 #pragma unroll
     for (int j = 0; j + 1 < kMaxK; ++j)
       if (j < S) win[j] = win[j + 1];
-    float* hc = hist_pool + ((slot * max_q + t) * C + c) * S;
-#pragma unroll
-    for (int j = 0; j < kMaxK; ++j)
-      if (j < S) hc[j] = win[j];
+    if (x_kept != nullptr) x_kept[(slot * max_q + t) * C + c] = xv;
   }
+}
+
+__global__ void short_conv_commit_kernel(const float* __restrict__ x_kept, float* __restrict__ conv_pool,
+                                         const int32_t* __restrict__ slots, const int32_t* __restrict__ accepted,
+                                         int max_q, int64_t C, int K) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (c >= C) return;
+  const int b = blockIdx.y;
+  const int n = accepted[b];
+  if (n < 1 || n > max_q) return;
+  const int S = K - 1;
+  const int64_t slot = slots[b];
+  float* sc = conv_pool + (slot * C + c) * S;
+  float win[kMaxK];  // the last S of [state, x_0 .. x_{n-1}]: at most S inputs matter
+#pragma unroll
+  for (int j = 0; j < kMaxK; ++j) win[j] = j < S ? sc[j] : 0.f;
+  // Inputs n - S .. n - 1 (those >= 0) shift in after the state.
+  const int first = n > S ? n - S : 0;
+  for (int t = first; t < n; ++t) {
+#pragma unroll
+    for (int j = 0; j + 1 < kMaxK; ++j)
+      if (j + 1 < S) win[j] = win[j + 1];
+    if (S > 0) win[S - 1] = x_kept[(slot * max_q + t) * C + c];
+  }
+#pragma unroll
+  for (int j = 0; j < kMaxK; ++j)
+    if (j < S) sc[j] = win[j];
 }
 
 }  // namespace
 
-int short_conv_silu(const bf16* x, int64_t x_ld, const float* w, const float* conv_pool, float* hist_pool,
+int short_conv_silu(const bf16* x, int64_t x_ld, const float* w, const float* conv_pool, float* x_kept,
                     const int32_t* slots, bf16* y, int B, int q_len, int max_q, int64_t C, int K, CUstream_st* stream) {
   if (K < 1 || K > kMaxK || C <= 0 || x_ld < C || B < 0 || q_len < 0 || q_len > max_q) return cudaErrorInvalidValue;
   if (B == 0 || q_len == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((C + kThreads - 1) / kThreads), static_cast<unsigned>(B));
   short_conv_silu_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const __nv_bfloat16*>(x), x_ld, w, conv_pool,
-                                                        hist_pool, slots, reinterpret_cast<__nv_bfloat16*>(y), q_len,
+                                                        x_kept, slots, reinterpret_cast<__nv_bfloat16*>(y), q_len,
                                                         max_q, C, K);
+  return cudaGetLastError();
+}
+
+int short_conv_commit(const float* x_kept, float* conv_pool, const int32_t* slots, const int32_t* accepted, int B,
+                      int max_q, int64_t C, int K, CUstream_st* stream) {
+  if (K < 1 || K > kMaxK || C <= 0 || B < 0 || max_q < 1) return cudaErrorInvalidValue;
+  if (B == 0 || K == 1) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((C + kThreads - 1) / kThreads), static_cast<unsigned>(B));
+  short_conv_commit_kernel<<<grid, kThreads, 0, stream>>>(x_kept, conv_pool, slots, accepted, max_q, C, K);
   return cudaGetLastError();
 }
 

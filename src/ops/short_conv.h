@@ -6,7 +6,9 @@
 //   state(c) <- the last K-1 inputs after token T-1
 //
 // state_hist, when given, receives the state after each token t
-// ([T, C, K-1]), so a verify step can commit any accepted prefix.
+// ([T, C, K-1]). The runtime keeps no history: a verify step keeps its
+// pre-conv inputs and commit(n) advances the state by the first n of them
+// (short_conv_advance: the last K-1 of [state, x_0 .. x_{n-1}]).
 #pragma once
 
 #include <cstdint>
@@ -20,16 +22,24 @@ namespace k3::ops {
 void short_conv_silu(const float* x, const float* w, float* state, float* y, float* state_hist, int64_t T,
                      int64_t C, int K);
 
+// x [n, C] pre-conv inputs; state [C, K-1] <- the last K-1 of [state, x_0 .. x_{n-1}] per channel.
+void short_conv_advance(const float* x, float* state, int64_t n, int64_t C, int K);
+
 }  // namespace k3::ops
 
 // CUDA: a step of B requests x q_len tokens (request b's tokens are rows [b q_len, (b+1) q_len)).
-// The committed conv state of slot slots[b] is read, never written; the state after each token t
-// goes to history row t of the slot (commit later with ops::cuda::commit_state, kda.h).
+// The committed conv state of slot slots[b] is read, never written; the step keeps its pre-conv inputs in
+// the slot's rows of x_kept, and short_conv_commit advances the state by the accepted ones.
 namespace k3::ops::cuda {
 
 // x BF16 [B*q_len, x_ld] (channels [0, C) of each row), w F32 [C, K], conv_pool F32 [num_slots, C, K-1] (read only),
-// hist_pool F32 [num_slots, max_q, C, K-1], slots [B], y BF16 [B*q_len, C]; 1 <= K <= 8, q_len <= max_q.
-int short_conv_silu(const bf16* x, int64_t x_ld, const float* w, const float* conv_pool, float* hist_pool,
+// x_kept F32 [num_slots, max_q, C] (or null), slots [B], y BF16 [B*q_len, C]; 1 <= K <= 8, q_len <= max_q.
+int short_conv_silu(const bf16* x, int64_t x_ld, const float* w, const float* conv_pool, float* x_kept,
                     const int32_t* slots, bf16* y, int B, int q_len, int max_q, int64_t C, int K, CUstream_st* stream);
+
+// For each b with n = accepted[b] in [1, max_q]: conv_pool[slots[b]] <- the last K-1 of [state, x_kept rows
+// 0 .. n-1 of the slot] (short_conv_advance); n = 0 (or out of range) keeps the state.
+int short_conv_commit(const float* x_kept, float* conv_pool, const int32_t* slots, const int32_t* accepted, int B,
+                      int max_q, int64_t C, int K, CUstream_st* stream);
 
 }  // namespace k3::ops::cuda

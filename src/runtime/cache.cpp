@@ -4,6 +4,8 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "ops/kda.h"
+#include "ops/short_conv.h"
 
 namespace k3 {
 
@@ -19,6 +21,11 @@ Caches::Caches(const ModelConfig& c, const CacheOptions& o, int kda_heads, int d
   const int64_t H = kda_heads, d = c.kda.head_dim;
   conv_floats_ = H * d * (c.kda.conv_kernel - 1);
   state_floats_ = H * d * d;
+  heads_ = kda_heads;
+  head_dim_ = c.kda.head_dim;
+  conv_kernel_ = c.kda.conv_kernel;
+  kept_floats_ = 3 * H * d + H;
+  cur_.assign(static_cast<size_t>(o.max_slots), 0);
   entry_ = c.mla.cache_dim();
   index_dim_ = c.dsa ? c.dsa->index_head_dim : 0;
   const int64_t S = o.max_slots, Q = o.max_q, tokens = opt_.num_pages * o.page_size;
@@ -27,9 +34,9 @@ Caches::Caches(const ModelConfig& c, const CacheOptions& o, int kda_heads, int d
       kda_index_.push_back(static_cast<int>(conv_.size()));
       full_index_.push_back(-1);
       conv_.emplace_back(S * 3 * conv_floats_, 0.0f);
-      conv_hist_.emplace_back(S * 3 * Q * conv_floats_, 0.0f);
-      state_.emplace_back(S * state_floats_, 0.0f);
-      state_hist_.emplace_back(S * Q * state_floats_, 0.0f);
+      conv_x_.emplace_back(S * 3 * Q * H * d, 0.0f);
+      state_.emplace_back(S * 2 * state_floats_, 0.0f);
+      kept_.emplace_back(S * Q * kept_floats_, 0.0f);
     } else {
       kda_index_.push_back(-1);
       full_index_.push_back(static_cast<int>(kv_.size()));
@@ -40,35 +47,50 @@ Caches::Caches(const ModelConfig& c, const CacheOptions& o, int kda_heads, int d
 }
 
 void Caches::reset_slot(int slot) {
+  cur_.at(slot) = 0;
   for (size_t i = 0; i < conv_.size(); ++i) {
     std::fill_n(conv_[i].begin() + slot * 3 * conv_floats_, 3 * conv_floats_, 0.0f);
-    std::fill_n(state_[i].begin() + slot * state_floats_, state_floats_, 0.0f);
+    std::fill_n(state_[i].begin() + slot * 2 * state_floats_, state_floats_, 0.0f);
   }
 }
 
-void Caches::commit_kda(int slot, int n) {
-  const int64_t Q = opt_.max_q;
+void Caches::commit_kda(int slot, int n, int q) {
+  K3_CHECK(n >= 0 && n <= q && q <= opt_.max_q, "internal: commit of {} tokens of a step of {}", n, q);
+  if (n == 0) return;
+  const int64_t Q = opt_.max_q, Ch = int64_t{heads_} * head_dim_;
+  const int cur = cur_.at(slot);
   for (size_t i = 0; i < conv_.size(); ++i) {
-    for (int j = 0; j < 3; ++j) {
-      const float* src = &conv_hist_[i][((slot * 3 + j) * Q + (n - 1)) * conv_floats_];
-      std::copy(src, src + conv_floats_, &conv_[i][(slot * 3 + j) * conv_floats_]);
-    }
-    const float* src = &state_hist_[i][(slot * Q + (n - 1)) * state_floats_];
-    std::copy(src, src + state_floats_, &state_[i][slot * state_floats_]);
+    for (int j = 0; j < 3; ++j)
+      ops::short_conv_advance(&conv_x_[i][(slot * 3 + j) * Q * Ch], &conv_[i][(slot * 3 + j) * conv_floats_], n, Ch,
+                              conv_kernel_);
+    if (n == q) continue;  // the step's state is in the other buffer already
+    const float* from = &state_[i][(slot * 2 + cur) * state_floats_];
+    float* to = &state_[i][(slot * 2 + 1 - cur) * state_floats_];
+    std::copy(from, from + state_floats_, to);
+    const float* kept = &kept_[i][slot * Q * kept_floats_];
+    ops::kda_replay(kept, kept + 2 * Q * Ch, kept + Q * Ch, kept + 3 * Q * Ch, to, n, heads_, head_dim_, head_dim_);
   }
+  cur_[slot] = 1 - cur;
 }
 
 KdaSlotState Caches::kda(int layer, int b) {
   const int i = kda_index_.at(layer);
   K3_CHECK(i >= 0, "internal: layer {} is not a KDA layer", layer);
   const int64_t slot = bound_.at(b), Q = opt_.max_q;
+  const int64_t Ch = int64_t{heads_} * head_dim_;
+  const int cur = cur_.at(slot);
   KdaSlotState s;
   for (int j = 0; j < 3; ++j) {
     s.conv[j] = &conv_[i][(slot * 3 + j) * conv_floats_];
-    s.conv_hist[j] = &conv_hist_[i][(slot * 3 + j) * Q * conv_floats_];
+    s.conv_x[j] = &conv_x_[i][(slot * 3 + j) * Q * Ch];
   }
-  s.S = &state_[i][slot * state_floats_];
-  s.S_hist = &state_hist_[i][slot * Q * state_floats_];
+  s.S = &state_[i][(slot * 2 + cur) * state_floats_];
+  s.S_next = &state_[i][(slot * 2 + 1 - cur) * state_floats_];
+  float* kept = &kept_[i][slot * Q * kept_floats_];
+  s.kept_k = kept;
+  s.kept_g = kept + Q * Ch;
+  s.kept_v = kept + 2 * Q * Ch;
+  s.kept_beta = kept + 3 * Q * Ch;
   return s;
 }
 

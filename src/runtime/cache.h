@@ -1,11 +1,17 @@
 // Per-request caches of one rank, sized once from the config and capacities.
 //
 // KDA (every KDA layer, every request slot): committed conv states (q, k, v:
-// [C, K-1] each, the last K-1 inputs) and the committed recurrent state
-// [H, d, d] F32. A step never writes them: the state after each of its q tokens
-// goes to per-slot history rows ([max_q] deep), and commit(n) copies row n-1
-// into the committed state ("per-token slots": the committed state equals the
-// state of decoding exactly the accepted tokens; rejected drafts vanish).
+// [C, K-1] each, the last K-1 inputs) and two recurrent state buffers [H, d, d]
+// F32, one of them current (a per-slot index shared by all layers). A step
+// never writes the committed states: it writes the recurrent state after its
+// last token into the other buffer and keeps its per-token inputs (pre-conv
+// q, k, v [max_q, C]; the recurrence's k, g, v [max_q, H, d] and beta
+// [max_q, H]). commit(n) of a q-token step: the conv states advance by the n
+// accepted inputs; n == q flips the current buffer, 0 < n < q replays the
+// recurrence over the n kept tokens into the other buffer (bit-identical to a
+// step of those n tokens) and flips, n == 0 leaves everything. The committed
+// state is the state of decoding exactly the accepted tokens; rejected drafts
+// vanish.
 //
 // MLA / DSA (every full-attention layer): a paged latent cache of R + P values
 // per token and, for DSA, the indexer key (Di values) per token. Pages hold
@@ -46,8 +52,8 @@ class Caches : public AttentionCache {
   SlotTable& table() { return table_; }
   const SlotTable& table() const { return table_; }
 
-  void reset_slot(int slot);         // zero the slot's committed KDA states
-  void commit_kda(int slot, int n);  // history row n-1 -> committed (n >= 1)
+  void reset_slot(int slot);                // zero the slot's committed KDA states
+  void commit_kda(int slot, int n, int q);  // keep n of the pending step's q tokens (see above)
 
   // Binds the step's request b to slot slots[b] (AttentionCache's view).
   void bind(const std::vector<int>& slots) { bound_ = slots; }
@@ -66,10 +72,13 @@ class Caches : public AttentionCache {
   int64_t index_dim_ = 0;     // Di (0 without DSA)
   int dcp_size_ = 1, dcp_rank_ = 0;
   std::vector<int> kda_index_, full_index_;  // layer -> index among its kind, or -1
+  int64_t kept_floats_ = 0;   // per slot and token: k, g, v (3 C) + beta (H)
+  int heads_ = 0, head_dim_ = 0, conv_kernel_ = 1;
   std::vector<std::vector<float>> conv_;     // [kda layer][slot, 3, C, K-1]
-  std::vector<std::vector<float>> conv_hist_;  // [kda layer][slot, 3, max_q, C, K-1]
-  std::vector<std::vector<float>> state_;    // [kda layer][slot, H, d, d]
-  std::vector<std::vector<float>> state_hist_;  // [kda layer][slot, max_q, H, d, d]
+  std::vector<std::vector<float>> conv_x_;   // [kda layer][slot, 3, max_q, C]: pre-conv inputs
+  std::vector<std::vector<float>> state_;    // [kda layer][slot, 2, H, d, d]
+  std::vector<std::vector<float>> kept_;     // [kda layer][slot, max_q, 3 C + H]: k, g, v, beta
+  std::vector<int> cur_;                     // [slot]: the current state buffer (0 / 1)
   std::vector<std::vector<float>> kv_;       // [full layer][page, page_size, R + P]
   std::vector<std::vector<float>> index_;    // [full layer][page, page_size, Di]
   std::vector<int> bound_;

@@ -91,8 +91,9 @@ void Engine::commit(int slot, int n) {
   SlotTable& table = caches_.table();
   table.check_slot(slot, "commit");
   K3_CHECK(table.pending(slot), "commit: slot {} has no pending step", slot);
+  const int q = table.pending_q(slot);
   table.commit(slot, n);  // checks n
-  if (n > 0) caches_.commit_kda(slot, n);
+  caches_.commit_kda(slot, n, q);
 }
 
 std::vector<float> Engine::prefill(int slot, std::span<const int32_t> prompt) {

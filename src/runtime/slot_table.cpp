@@ -79,6 +79,11 @@ bool SlotTable::pending(int slot) const {
   return slots_[slot].pending_q > 0;
 }
 
+int SlotTable::pending_q(int slot) const {
+  check_slot(slot, "pending");
+  return slots_[slot].pending_q;
+}
+
 void SlotTable::validate_step(std::span<const int> slots, int q, std::span<const int32_t> tokens, int64_t vocab,
                               bool allow_empty, bool restep) const {
   const int B = static_cast<int>(slots.size());

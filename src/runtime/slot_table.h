@@ -56,6 +56,7 @@ class SlotTable {
   void check_slot(int slot, const char* what) const;
   int64_t length(int slot) const;
   bool pending(int slot) const;
+  int pending_q(int slot) const;  // the width of the slot's uncommitted step (0: none)
   const std::vector<int32_t>& pages(int slot) const { return slots_.at(slot).pages; }
 
   // The step's input, checked: B requests (>= 1, or >= 0 when an idle replica

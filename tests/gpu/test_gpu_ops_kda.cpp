@@ -1,8 +1,9 @@
 // GPU tests of the KDA-layer CUDA ops against their CPU references (src/ops/*.cpp; the CPU tests:
-// tests/test_ops_kda.cpp): short_conv_silu, commit_state, kda_gate / kda_beta / l2norm_heads /
-// kda_recurrence / kda_gated_norm. Random inputs from fixed seeds (never zeros), odd shapes and the K3
-// per-rank shapes (TP8), the verify semantics (history rows, commit of n accepted tokens), and
-// sentinels around every output so that a stray write or read shows.
+// tests/test_ops_kda.cpp): short_conv_silu + short_conv_commit, kda_gate / kda_beta / l2norm_heads /
+// kda_recurrence + kda_replay / kda_gated_norm. Random inputs from fixed seeds (never zeros), odd shapes
+// and the K3 per-rank shapes (TP8) at B = 1 and B > 1, the verify semantics (the double-buffered state:
+// read one, write the other; the kept inputs; the commit of every n accepted tokens, bit-identical to a
+// step of those n tokens), and sentinels around every output so that a stray write or read shows.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,14 +36,6 @@ std::vector<int32_t> pick_slots(int B, int num_slots, uint64_t seed) {
   return s;
 }
 
-// Accepted counts cycling through {0, 1, q}.
-std::vector<int32_t> accepted_pattern(int B, int q) {
-  std::vector<int32_t> a(static_cast<size_t>(B));
-  for (int b = 0; b < B; ++b) a[b] = b % 3 == 0 ? 0 : (b % 3 == 1 ? 1 : q);
-  if (B == 1) a[0] = q;
-  return a;
-}
-
 void expect_exact(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
   ASSERT_EQ(got.size(), want.size()) << what;
   for (size_t i = 0; i < got.size(); ++i) {
@@ -70,7 +63,7 @@ struct ConvShape {
 
 class ShortConvCuda : public ::testing::TestWithParam<ConvShape> {};
 
-TEST_P(ShortConvCuda, MatchesCpuWritesHistoryAndCommits) {
+TEST_P(ShortConvCuda, MatchesCpuKeepsInputsAndCommits) {
   K3_REQUIRE_GPU();
   const ConvShape s = GetParam();
   const int B = s.B, q = s.q, max_q = s.max_q, K = s.K, S = K - 1;
@@ -79,45 +72,49 @@ TEST_P(ShortConvCuda, MatchesCpuWritesHistoryAndCommits) {
   const auto w = uniform(static_cast<size_t>(C * K), 12, -0.8, 0.8);
   const auto pool = uniform(static_cast<size_t>(s.num_slots * st_f), 13, -2.0, 2.0);
   const auto slots = pick_slots(B, s.num_slots, 14);
-  std::vector<float> hist(static_cast<size_t>(s.num_slots * max_q * st_f), kSentinel);
+  const std::vector<float> kept(static_cast<size_t>(s.num_slots * max_q * C), kSentinel);
 
   auto d_x = up_bf16(x);
   auto d_w = upload(w);
   auto d_pool = upload(pool);
-  auto d_hist = upload(hist);
+  auto d_kept = upload(kept);
   auto d_slots = upload(slots);
   DeviceBuffer d_y(static_cast<size_t>(rows * C) * sizeof(bf16));
-  K3_CU(ops::cuda::short_conv_silu(d_x.get<bf16>(), x_ld, d_w.get<float>(), d_pool.get<float>(), d_hist.get<float>(),
+  K3_CU(ops::cuda::short_conv_silu(d_x.get<bf16>(), x_ld, d_w.get<float>(), d_pool.get<float>(), d_kept.get<float>(),
                                    d_slots.get<int32_t>(), d_y.get<bf16>(), B, q, max_q, C, K, st()));
 
-  // CPU: per request, from a copy of its committed state.
-  std::vector<float> y_ref(static_cast<size_t>(rows * C)), hist_ref = hist;
+  // CPU: per request, from a copy of its committed state; the kept rows are the inputs.
+  std::vector<float> y_ref(static_cast<size_t>(rows * C)), kept_ref = kept;
+  std::vector<std::vector<float>> xs(static_cast<size_t>(B));
   for (int b = 0; b < B; ++b) {
-    std::vector<float> xb(static_cast<size_t>(q * C)),
-        state(pool.begin() + slots[b] * st_f, pool.begin() + (slots[b] + 1) * st_f);
+    std::vector<float>& xb = xs[b];
+    xb.resize(static_cast<size_t>(q * C));
+    std::vector<float> state(pool.begin() + slots[b] * st_f, pool.begin() + (slots[b] + 1) * st_f);
     for (int t = 0; t < q; ++t) std::copy_n(&x[(int64_t{b} * q + t) * x_ld], C, &xb[static_cast<size_t>(t * C)]);
-    ops::short_conv_silu(xb.data(), w.data(), state.data(), &y_ref[static_cast<size_t>(b * q * C)],
-                         &hist_ref[static_cast<size_t>(int64_t{slots[b]} * max_q * st_f)], q, C, K);
+    ops::short_conv_silu(xb.data(), w.data(), state.data(), &y_ref[static_cast<size_t>(b * q * C)], nullptr, q, C, K);
+    std::copy(xb.begin(), xb.end(), kept_ref.begin() + int64_t{slots[b]} * max_q * C);
   }
   expect_close(down_bf16(d_y, y_ref.size()), y_ref, 5e-3, 0, "short_conv y");
-  expect_exact(down_f32(d_hist, hist.size()), hist_ref, "short_conv history (and untouched rows)");
+  expect_exact(down_f32(d_kept, kept.size()), kept_ref, "kept inputs (and untouched rows)");
   expect_exact(down_f32(d_pool, pool.size()), pool, "committed conv state is read only");
 
-  // Commit n accepted tokens: the CPU state after exactly n tokens.
-  const auto accepted = accepted_pattern(B, q);
-  auto d_acc = upload(accepted);
-  K3_CU(ops::cuda::commit_state(d_hist.get<float>(), d_pool.get<float>(), d_slots.get<int32_t>(), d_acc.get<int32_t>(),
-                                B, max_q, st_f, st()));
-  std::vector<float> pool_ref = pool;
-  for (int b = 0; b < B; ++b) {
-    const int n = accepted[b];
-    if (n == 0) continue;
-    std::vector<float> xb(static_cast<size_t>(n * C)), yb(static_cast<size_t>(n * C));
-    for (int t = 0; t < n; ++t) std::copy_n(&x[(int64_t{b} * q + t) * x_ld], C, &xb[static_cast<size_t>(t * C)]);
-    ops::short_conv_silu(xb.data(), w.data(), &pool_ref[static_cast<size_t>(slots[b] * st_f)], yb.data(), nullptr, n, C,
-                         K);
+  // Commit n accepted tokens, every n in 0..q across the requests: the CPU state after exactly n tokens.
+  for (int shift = 0; shift <= q; ++shift) {
+    std::vector<int32_t> accepted(static_cast<size_t>(B));
+    for (int b = 0; b < B; ++b) accepted[b] = (b + shift) % (q + 1);
+    auto d_pool2 = upload(pool);
+    auto d_acc = upload(accepted);
+    K3_CU(ops::cuda::short_conv_commit(d_kept.get<float>(), d_pool2.get<float>(), d_slots.get<int32_t>(),
+                                       d_acc.get<int32_t>(), B, max_q, C, K, st()));
+    std::vector<float> pool_ref = pool;
+    for (int b = 0; b < B; ++b) {
+      const int n = accepted[b];
+      std::vector<float> yb(static_cast<size_t>(std::max(n, 1) * C));
+      ops::short_conv_silu(xs[b].data(), w.data(), &pool_ref[static_cast<size_t>(slots[b] * st_f)], yb.data(), nullptr,
+                           n, C, K);
+    }
+    expect_exact(down_f32(d_pool2, pool.size()), pool_ref, "conv state after commit");
   }
-  expect_exact(down_f32(d_pool, pool.size()), pool_ref, "conv state after commit");
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ShortConvCuda,
@@ -210,111 +207,224 @@ struct RecShape {
 
 class KdaRecurrenceCuda : public ::testing::TestWithParam<RecShape> {};
 
-TEST_P(KdaRecurrenceCuda, MatchesCpuPerTokenHistoryAndCommit) {
+struct RecInputs {
+  std::vector<float> q, k, v, g, beta;  // [B q, ...] as the layer makes them
+};
+
+RecInputs make_rec(int64_t rows, int H, int dk, int dv, uint64_t seed) {
+  RecInputs in;
+  const int64_t Ck = int64_t{H} * dk, Cv = int64_t{H} * dv;
+  // l2-normalized q (scale dk^-0.5) and k, v BF16, g in (-5, 0), beta in (0, 1).
+  in.q = random_bf16_values(static_cast<size_t>(rows * Ck), seed + 1);
+  in.k = random_bf16_values(static_cast<size_t>(rows * Ck), seed + 2);
+  ops::l2norm_heads(in.q.data(), rows, H, dk, 1.0f / std::sqrt(static_cast<float>(dk)));
+  ops::l2norm_heads(in.k.data(), rows, H, dk, 1.0f);
+  in.v = random_bf16_values(static_cast<size_t>(rows * Cv), seed + 3, 2.0);
+  const auto u = random_bf16_values(static_cast<size_t>(rows * Ck), seed + 4, 3.0);
+  const auto A_log = uniform(static_cast<size_t>(H), seed + 5, -2.0, 0.5);
+  const auto dt_bias = uniform(static_cast<size_t>(Ck), seed + 6, -1.0, 1.0);
+  in.g.resize(static_cast<size_t>(rows * Ck));
+  ops::kda_gate(u.data(), A_log.data(), dt_bias.data(), -5.0f, in.g.data(), rows, H, dk);
+  in.beta = uniform(static_cast<size_t>(rows * H), seed + 7, -3.0, 3.0);
+  ops::kda_beta(in.beta.data(), in.beta.data(), rows, H);
+  return in;
+}
+
+// The first n of each request's q rows (widths per row).
+std::vector<float> first_rows(const std::vector<float>& a, int B, int q, int n, int64_t width) {
+  std::vector<float> out;
+  for (int b = 0; b < B; ++b)
+    out.insert(out.end(), a.begin() + (int64_t{b} * q) * width, a.begin() + (int64_t{b} * q + n) * width);
+  return out;
+}
+
+struct KeptBuf {
+  DeviceBuffer buf;
+  ops::cuda::KdaKept kept;
+  int64_t nk, nv;  // floats of k (and of g), of v
+};
+KeptBuf make_kept(int num_slots, int max_q, int H, int dk, int dv, const std::vector<float>& init) {
+  KeptBuf k;
+  k.nk = int64_t{num_slots} * max_q * H * dk;
+  k.nv = int64_t{num_slots} * max_q * H * dv;
+  k.buf = upload(init);
+  float* b = k.buf.get<float>();
+  k.kept = {b, b + k.nk, b + 2 * k.nk, b + 2 * k.nk + k.nv};
+  return k;
+}
+
+// One step of q tokens into the write states, GPU (o and the pool back).
+struct StepOut {
+  std::vector<float> o, pool;
+};
+StepOut gpu_step(const RecInputs& in, const std::vector<float>& pool, const std::vector<int32_t>& rd,
+                 const std::vector<int32_t>& wr, const std::vector<int32_t>& slots, ops::cuda::KdaKept kept, int B,
+                 int q, int max_q, int H, int dk, int dv) {
+  auto d_q = upload(in.q);
+  auto d_k = upload(in.k);
+  auto d_v = up_bf16(in.v);
+  auto d_g = upload(in.g);
+  auto d_beta = upload(in.beta);
+  auto d_pool = upload(pool);
+  auto d_rd = upload(rd);
+  auto d_wr = upload(wr);
+  auto d_slots = upload(slots);
+  const int64_t Cv = int64_t{H} * dv;
+  DeviceBuffer d_o(static_cast<size_t>(int64_t{B} * q * Cv) * sizeof(float));
+  EXPECT_EQ(ops::cuda::kda_recurrence(d_q.get<float>(), d_k.get<float>(), d_v.get<bf16>(), d_g.get<float>(),
+                                      d_beta.get<float>(), d_pool.get<float>(), d_rd.get<int32_t>(),
+                                      d_wr.get<int32_t>(), kept, d_slots.get<int32_t>(), d_o.get<float>(), B, q, max_q,
+                                      H, dk, dv, st()),
+            0);
+  return {down_f32(d_o, static_cast<size_t>(int64_t{B} * q * Cv)), down_f32(d_pool, pool.size())};
+}
+
+TEST_P(KdaRecurrenceCuda, MatchesCpuKeepsInputsAndReplaysEveryAccept) {
   K3_REQUIRE_GPU();
   const RecShape s = GetParam();
   const int B = s.B, q = s.q, max_q = s.max_q, H = s.H, dk = s.dk, dv = s.dv;
   const int64_t rows = int64_t{B} * q, Ck = int64_t{H} * dk, Cv = int64_t{H} * dv, st_f = int64_t{H} * dv * dk;
   const uint64_t seed = 1000 + static_cast<uint64_t>(B * 100 + q * 10 + H + dk + dv);
-
-  // Inputs as the layer makes them: l2-normalized q (scale dk^-0.5) and k, v BF16, g in (-5, 0), beta in (0, 1).
-  auto qf = random_bf16_values(static_cast<size_t>(rows * Ck), seed + 1);
-  auto kf = random_bf16_values(static_cast<size_t>(rows * Ck), seed + 2);
-  ops::l2norm_heads(qf.data(), rows, H, dk, 1.0f / std::sqrt(static_cast<float>(dk)));
-  ops::l2norm_heads(kf.data(), rows, H, dk, 1.0f);
-  const auto v = random_bf16_values(static_cast<size_t>(rows * Cv), seed + 3, 2.0);
-  const auto u = random_bf16_values(static_cast<size_t>(rows * Ck), seed + 4, 3.0);
-  const auto A_log = uniform(static_cast<size_t>(H), seed + 5, -2.0, 0.5);
-  const auto dt_bias = uniform(static_cast<size_t>(Ck), seed + 6, -1.0, 1.0);
-  std::vector<float> g(static_cast<size_t>(rows * Ck));
-  ops::kda_gate(u.data(), A_log.data(), dt_bias.data(), -5.0f, g.data(), rows, H, dk);
-  std::vector<float> beta = uniform(static_cast<size_t>(rows * H), seed + 7, -3.0, 3.0);
-  ops::kda_beta(beta.data(), beta.data(), rows, H);
-  const auto pool = uniform(static_cast<size_t>(s.num_slots * st_f), seed + 8, -1.0, 1.0);
+  const RecInputs in = make_rec(rows, H, dk, dv, seed);
+  // Two states per slot; each request reads a random one of its slot's two and writes the other.
+  const auto pool = uniform(static_cast<size_t>(2 * s.num_slots * st_f), seed + 8, -1.0, 1.0);
   const auto slots = pick_slots(B, s.num_slots, seed + 9);
-  std::vector<float> hist(static_cast<size_t>(s.num_slots * max_q * st_f), kSentinel);
-
-  auto d_q = upload(qf);
-  auto d_k = upload(kf);
-  auto d_v = up_bf16(v);
-  auto d_g = upload(g);
-  auto d_beta = upload(beta);
-  auto d_pool = upload(pool);
-  auto d_hist = upload(hist);
-  auto d_slots = upload(slots);
-  DeviceBuffer d_o(static_cast<size_t>(rows * Cv) * sizeof(float));
-  K3_CU(ops::cuda::kda_recurrence(d_q.get<float>(), d_k.get<float>(), d_v.get<bf16>(), d_g.get<float>(),
-                                  d_beta.get<float>(), d_pool.get<float>(), d_hist.get<float>(), d_slots.get<int32_t>(),
-                                  d_o.get<float>(), B, q, max_q, H, dk, dv, st()));
-
-  std::vector<float> o_ref(static_cast<size_t>(rows * Cv)), hist_ref = hist;
+  std::vector<int32_t> rd(static_cast<size_t>(B)), wr(static_cast<size_t>(B));
+  Rng r(seed + 10);
   for (int b = 0; b < B; ++b) {
-    std::vector<float> S(pool.begin() + slots[b] * st_f, pool.begin() + (slots[b] + 1) * st_f);
-    const int64_t r0 = int64_t{b} * q;
-    ops::kda_recurrence(&qf[r0 * Ck], &kf[r0 * Ck], &v[r0 * Cv], &g[r0 * Ck], &beta[r0 * H], S.data(), &o_ref[r0 * Cv],
-                        &hist_ref[static_cast<size_t>(int64_t{slots[b]} * max_q * st_f)], q, H, dk, dv);
+    const int cur = static_cast<int>(r.below(2));
+    rd[b] = 2 * slots[b] + cur;
+    wr[b] = 2 * slots[b] + 1 - cur;
   }
-  expect_close(down_f32(d_o, o_ref.size()), o_ref, 1e-4, 1e-6, "kda o");
-  const auto hist_got = down_f32(d_hist, hist.size());
-  for (int b = 0; b < B; ++b)
-    for (int t = 0; t < max_q; ++t) {
-      const int64_t row = int64_t{slots[b]} * max_q + t;
-      const auto got = rows_of(hist_got, st_f, row, 1), want = rows_of(hist_ref, st_f, row, 1);
-      if (t < q)
-        expect_close(got, want, 1e-4, 1e-6, "kda state after token t");
-      else
-        expect_exact(got, want, "history rows past q_len untouched");
-    }
-  for (int sl = 0; sl < s.num_slots; ++sl)
-    if (std::find(slots.begin(), slots.end(), sl) == slots.end())
-      expect_exact(rows_of(hist_got, st_f * max_q, sl, 1), rows_of(hist_ref, st_f * max_q, sl, 1),
-                   "history of unbound slots untouched");
-  expect_exact(down_f32(d_pool, pool.size()), pool, "committed state is read only");
+  const int64_t kept_floats = int64_t{s.num_slots} * max_q * (2 * Ck + Cv + H);
+  KeptBuf kb = make_kept(s.num_slots, max_q, H, dk, dv, std::vector<float>(static_cast<size_t>(kept_floats), kSentinel));
+  const StepOut got = gpu_step(in, pool, rd, wr, slots, kb.kept, B, q, max_q, H, dk, dv);
 
-  // Commit n in {0, 1, q}: the state of decoding exactly the accepted tokens one by one.
-  const auto accepted = accepted_pattern(B, q);
-  auto d_acc = upload(accepted);
-  K3_CU(ops::cuda::commit_state(d_hist.get<float>(), d_pool.get<float>(), d_slots.get<int32_t>(), d_acc.get<int32_t>(),
-                                B, max_q, st_f, st()));
-  std::vector<float> pool_ref = pool;
+  // CPU: o, the final state into the write state; every other state untouched.
+  std::vector<float> o_ref(static_cast<size_t>(rows * Cv)), pool_ref = pool;
   for (int b = 0; b < B; ++b) {
-    const int n = accepted[b];
+    std::vector<float> S(pool.begin() + rd[b] * st_f, pool.begin() + (rd[b] + 1) * st_f);
     const int64_t r0 = int64_t{b} * q;
-    std::vector<float> ob(static_cast<size_t>(n * Cv));
-    if (n > 0)
-      ops::kda_recurrence(&qf[r0 * Ck], &kf[r0 * Ck], &v[r0 * Cv], &g[r0 * Ck], &beta[r0 * H],
-                          &pool_ref[static_cast<size_t>(slots[b] * st_f)], ob.data(), nullptr, n, H, dk, dv);
+    ops::kda_recurrence(&in.q[r0 * Ck], &in.k[r0 * Ck], &in.v[r0 * Cv], &in.g[r0 * Ck], &in.beta[r0 * H], S.data(),
+                        &o_ref[r0 * Cv], nullptr, q, H, dk, dv);
+    std::copy(S.begin(), S.end(), pool_ref.begin() + wr[b] * st_f);
   }
-  const auto pool_got = down_f32(d_pool, pool.size());
-  for (int sl = 0; sl < s.num_slots; ++sl) {
-    const auto got = rows_of(pool_got, st_f, sl, 1), want = rows_of(pool_ref, st_f, sl, 1);
-    const auto it = std::find(slots.begin(), slots.end(), sl);
-    if (it != slots.end() && accepted[static_cast<size_t>(it - slots.begin())] > 0)
-      expect_close(got, want, 1e-4, 1e-6, "committed state after n tokens");
+  expect_close(got.o, o_ref, 1e-4, 1e-6, "kda o");
+  for (int64_t i = 0; i < 2 * s.num_slots; ++i) {
+    const bool written = std::find(wr.begin(), wr.end(), static_cast<int32_t>(i)) != wr.end();
+    const auto g = rows_of(got.pool, st_f, i, 1), w = rows_of(pool_ref, st_f, i, 1);
+    if (written)
+      expect_close(g, w, 1e-4, 1e-6, "the state after the last token");
     else
-      expect_exact(got, want, "slot kept (n = 0 or unbound)");
+      expect_exact(g, w, "states read or unbound are untouched");
   }
+
+  // The kept inputs: q > 1 keeps k, g, v, beta exactly in the slot's rows; q = 1 keeps nothing.
+  const auto kept_got = download<float>(kb.buf, static_cast<size_t>(kept_floats));
+  std::vector<float> kept_ref(static_cast<size_t>(kept_floats), kSentinel);
+  if (q > 1)
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t < q; ++t) {
+        const int64_t row = int64_t{b} * q + t, krow = int64_t{slots[b]} * max_q + t;
+        std::copy_n(&in.k[row * Ck], Ck, &kept_ref[krow * Ck]);
+        std::copy_n(&in.g[row * Ck], Ck, &kept_ref[kb.nk + krow * Ck]);
+        std::copy_n(&in.v[row * Cv], Cv, &kept_ref[2 * kb.nk + krow * Cv]);
+        std::copy_n(&in.beta[row * H], H, &kept_ref[2 * kb.nk + kb.nv + krow * H]);
+      }
+  expect_exact(kept_got, kept_ref, "kept inputs (and untouched rows)");
+
+  // A step of just the first m tokens, GPU, for every m in 1..q-1 (kept not written: null).
+  std::vector<std::vector<float>> step_m(static_cast<size_t>(q));
+  for (int m = 1; m < q; ++m) {
+    RecInputs im;
+    im.q = first_rows(in.q, B, q, m, Ck);
+    im.k = first_rows(in.k, B, q, m, Ck);
+    im.v = first_rows(in.v, B, q, m, Cv);
+    im.g = first_rows(in.g, B, q, m, Ck);
+    im.beta = first_rows(in.beta, B, q, m, H);
+    step_m[m] = gpu_step(im, pool, rd, wr, slots, ops::cuda::KdaKept{}, B, m, max_q, H, dk, dv).pool;
+  }
+  // Commit: every n in 0..q across the requests. 0 < n < q: the write state is bit for bit the state of a
+  // step of those n tokens (and close to the CPU's); n = 0 or q: nothing changes (the step's state stays).
+  for (int shift = 0; shift <= q; ++shift) {
+    std::vector<int32_t> accepted(static_cast<size_t>(B));
+    for (int b = 0; b < B; ++b) accepted[b] = (b + shift) % (q + 1);
+    auto d_pool = upload(got.pool);
+    auto d_rd = upload(rd);
+    auto d_wr = upload(wr);
+    auto d_slots = upload(slots);
+    auto d_acc = upload(accepted);
+    K3_CU(ops::cuda::kda_replay(kb.kept, d_pool.get<float>(), d_rd.get<int32_t>(), d_wr.get<int32_t>(),
+                                d_slots.get<int32_t>(), d_acc.get<int32_t>(), B, q, max_q, H, dk, dv, st()));
+    const auto after = down_f32(d_pool, pool.size());
+    std::vector<float> want = got.pool;
+    for (int b = 0; b < B; ++b) {
+      const int n = accepted[b];
+      if (n <= 0 || n >= q) continue;
+      std::copy_n(&step_m[n][wr[b] * st_f], st_f, &want[wr[b] * st_f]);
+      std::vector<float> S(pool.begin() + rd[b] * st_f, pool.begin() + (rd[b] + 1) * st_f);
+      const int64_t r0 = int64_t{b} * q;
+      ops::kda_replay(&in.k[r0 * Ck], &in.v[r0 * Cv], &in.g[r0 * Ck], &in.beta[r0 * H], S.data(), n, H, dk, dv);
+      expect_close(rows_of(after, st_f, wr[b], 1), S, 1e-4, 1e-6, "replayed state vs CPU");
+    }
+    expect_exact(after, want, "replayed states equal a step of the accepted tokens; the rest unchanged");
+  }
+}
+
+// The split of a head's rows over CTAs depends on B (B = 1 spreads them wider): request 0 alone gives
+// the same bits as request 0 in a batch of 8.
+TEST(KdaCuda, RowSplitDoesNotChangeTheBits) {
+  K3_REQUIRE_GPU();
+  const int H = 12, d = 128, q = 3, max_q = 4, B = 8;
+  const int64_t st_f = int64_t{H} * d * d, C = int64_t{H} * d;
+  const RecInputs in = make_rec(int64_t{B} * q, H, d, d, 77);
+  const auto pool = uniform(static_cast<size_t>(2 * B * st_f), 78, -1.0, 1.0);
+  std::vector<int32_t> slots(B), rd(B), wr(B);
+  for (int b = 0; b < B; ++b) {
+    slots[b] = b;
+    rd[b] = 2 * b;
+    wr[b] = 2 * b + 1;
+  }
+  const StepOut all = gpu_step(in, pool, rd, wr, slots, ops::cuda::KdaKept{}, B, q, max_q, H, d, d);
+  RecInputs one;
+  one.q = first_rows(in.q, 1, q, q, C);
+  one.k = first_rows(in.k, 1, q, q, C);
+  one.v = first_rows(in.v, 1, q, q, C);
+  one.g = first_rows(in.g, 1, q, q, C);
+  one.beta = first_rows(in.beta, 1, q, q, H);
+  const StepOut alone = gpu_step(one, pool, rd, wr, slots, ops::cuda::KdaKept{}, 1, q, max_q, H, d, d);
+  expect_exact(alone.o, rows_of(all.o, C, 0, q), "o of request 0");
+  expect_exact(rows_of(alone.pool, st_f, 1, 1), rows_of(all.pool, st_f, 1, 1), "state of request 0");
+  // and the state moved
+  EXPECT_NE(rows_of(alone.pool, st_f, 1, 1), rows_of(pool, st_f, 1, 1));
 }
 
 std::vector<RecShape> rec_shapes() {
   std::vector<RecShape> v;
   for (int B : {1, 3, 8})
     for (int q : {1, 2, 4, 8}) v.push_back({B, q, 8, B + 2, 12, 128, 128});  // K3 TP8: 12 heads of 128
+  v.push_back({64, 4, 4, 64, 12, 128, 128});                                 // K3 TP8, a wide verify batch
   v.push_back({2, 3, 5, 4, 3, 20, 37});                                      // odd dk (5 float4 chunks) and dv
   v.push_back({1, 2, 2, 2, 2, 256, 16});                                     // dk 256: two chunks per lane
-  v.push_back({3, 1, 1, 3, 1, 64, 130});                                     // dv not a multiple of the CTA rows
+  v.push_back({3, 3, 4, 3, 1, 64, 130});                                     // dv not a multiple of the CTA rows
+  v.push_back({40, 2, 3, 41, 1, 16, 60});                                    // 8-row CTAs, the last one partial
+  v.push_back({5, 5, 7, 6, 2, 36, 36});                                      // odd q, max_q
   return v;
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, KdaRecurrenceCuda, ::testing::ValuesIn(rec_shapes()));
 
 TEST(KdaCuda, RejectsBadShapes) {
   K3_REQUIRE_GPU();
-  EXPECT_NE(ops::cuda::kda_recurrence(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                      1, 9, 8, 12, 128, 128, st()),
+  const ops::cuda::KdaKept none{};
+  EXPECT_NE(ops::cuda::kda_recurrence(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, none,
+                                      nullptr, nullptr, 1, 9, 8, 12, 128, 128, st()),
             0);  // q_len > max_q
-  EXPECT_NE(ops::cuda::kda_recurrence(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                      1, 1, 8, 12, 130, 128, st()),
+  EXPECT_NE(ops::cuda::kda_recurrence(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, none,
+                                      nullptr, nullptr, 1, 1, 8, 12, 130, 128, st()),
             0);  // dk % 4 != 0
+  EXPECT_NE(ops::cuda::kda_replay(none, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 4, 8, 12, 128, 128, st()),
+            0);  // a replay without kept inputs
+  EXPECT_NE(ops::cuda::short_conv_commit(nullptr, nullptr, nullptr, nullptr, 1, 4, 8, 9, st()), 0);  // K > 8
   EXPECT_NE(ops::cuda::short_conv_silu(nullptr, 8, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, 1, 8, 9, st()),
             0);  // K > 8
 }

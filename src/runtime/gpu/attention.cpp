@@ -1,8 +1,9 @@
 // The attention modules on the GPU (GpuRank::attention), the op sequence of
 // the CPU modules in model/layers.h with the rank's caches (gpu/caches.h):
 //   KDA: in_proj -> short conv + SiLU (q, k, v) -> l2norm (q, k) -> gate
-//        (f_b f_a, A_log, dt_bias) and beta -> the chunked recurrence (the state
-//        after each token to the history) -> gated RMSNorm -> o_proj partial;
+//        (f_b f_a, A_log, dt_bias) and beta -> the recurrence (reads the slot's
+//        current state, writes the state after the last token to the other,
+//        keeps the tokens' inputs for a partial commit) -> gated RMSNorm -> o_proj partial;
 //   MLA / DSA: q_a, kv_a, g_proj (and the indexer's wk, weights_proj) of x
 //        in one group -> norm -> q_b (and wq_b); kv_a -> cache_write (normed latent + rope
 //        part); q absorbed into the latent space -> attend (paged, or DSA: the
@@ -47,7 +48,7 @@ void GpuRank::kda(int l, const bf16* x, bf16* out) {
   mark("kda.conv_gate");
   const float* cw[3] = {w.q_conv, w.k_conv, w.v_conv};
   for (int j = 0; j < 3; ++j)
-    K3_LAUNCH(cu::short_conv_silu(k.proj + j * C, P, cw[j], caches_.conv(l, j), caches_.conv_hist(l, j),
+    K3_LAUNCH(cu::short_conv_silu(k.proj + j * C, P, cw[j], caches_.conv(l, j), caches_.conv_x(l, j),
                                   d_slots_.get<int32_t>(), k.y[j], B_, q_, o_.max_q, C, K, s));
   K3_LAUNCH(cu::l2norm_heads(k.y[0], k.qn, rows, H, d, 1.0f / std::sqrt(static_cast<float>(d)), s));
   K3_LAUNCH(cu::l2norm_heads(k.y[1], k.kn, rows, H, d, 1.0f, s));
@@ -56,8 +57,9 @@ void GpuRank::kda(int l, const bf16* x, bf16* out) {
   K3_LAUNCH(cu::kda_gate(k.u, w.A_log, w.dt_bias, c_.kda.gate_lower_bound, k.g, rows, H, d, s));
   K3_LAUNCH(cu::kda_beta(k.proj + 4 * C + d, P, k.beta, rows, H, s));
   mark("kda.recurrence");
-  K3_LAUNCH(cu::kda_recurrence(k.qn, k.kn, k.y[2], k.g, k.beta, caches_.state(l), caches_.state_hist(l),
-                               d_slots_.get<int32_t>(), k.o, B_, q_, o_.max_q, H, d, d, s));
+  const int32_t* idx = d_state_idx_.get<int32_t>();
+  K3_LAUNCH(cu::kda_recurrence(k.qn, k.kn, k.y[2], k.g, k.beta, caches_.state(l), idx, idx + o_.max_batch,
+                               caches_.kept(l), d_slots_.get<int32_t>(), k.o, B_, q_, o_.max_q, H, d, d, s));
   mark("kda.norm_o_proj");
   K3_LAUNCH(cu::kda_gated_norm(k.o, k.proj + 3 * C, P, w.o_norm, c_.rms_norm_eps, k.normed, rows, H, d, s));
   K3_LAUNCH(cu::linear(ctx_, k.normed, w.o_proj, out, false, rows, C, D));

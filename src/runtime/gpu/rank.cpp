@@ -60,10 +60,11 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
   d_ctx_local_ = DeviceBuffer(R * 4);
   d_tables_ = DeviceBuffer(int64_t{o.max_batch} * std::max(max_pages_, 1) * 4);
   d_accepted_ = DeviceBuffer(o.max_batch * 4);
+  d_state_idx_ = DeviceBuffer(2 * o.max_batch * 4);
   d_agree_ = DeviceBuffer(256);
   d_spec_ = DeviceBuffer(R * sizeof(ops::SampleSpec));
   d_sampled_ = DeviceBuffer(R * sizeof(ops::SampleResult));
-  const size_t pinned = static_cast<size_t>(R * 4 * 3 + o.max_batch * 4 * 3 + int64_t{o.max_batch} * max_pages_ * 4);
+  const size_t pinned = static_cast<size_t>(R * 4 * 3 + o.max_batch * 4 * 5 + int64_t{o.max_batch} * max_pages_ * 4);
   CUDA_CHECK(cudaMallocHost(&pinned_, std::max<size_t>(pinned, 256)));
   // Activations.
   const int64_t Rp = G_ * ((R + G_ - 1) / G_);
@@ -126,10 +127,13 @@ void GpuRank::prepare(std::span<const int> slots, int q, std::span<const int32_t
   int32_t* ps = sl + B;
   int32_t* tables = ps + B;
   int32_t* ctx_local = tables + int64_t{B} * max_pages_;  // DCP: positions of this rank visible to each row
+  int32_t* state_idx = ctx_local + rows;                   // [2][B]: KDA states read, written
   max_ctx_ = 0;
   for (int b = 0; b < B; ++b) {
     const std::vector<int32_t>& pages = table_.pages(slots[b]);
     sl[b] = slots[b];
+    state_idx[b] = caches_.read_state(slots[b]);
+    state_idx[B + b] = caches_.write_state(slots[b]);
     ps[b] = static_cast<int32_t>(pos0[b]);
     for (int i = 0; i < q; ++i) ctx[b * q + i] = static_cast<int32_t>(pos0[b] + i + 1);
     for (int j = 0; j < max_pages_; ++j)
@@ -150,10 +154,18 @@ void GpuRank::prepare(std::span<const int> slots, int q, std::span<const int32_t
     CUDA_CHECK(cudaMemcpyAsync(d_ctx_local_.get(), ctx_local, rows * 4, cudaMemcpyHostToDevice, s));
   }
   CUDA_CHECK(cudaMemcpyAsync(d_slots_.get(), sl, B * 4, cudaMemcpyHostToDevice, s));
+  upload_state_idx(state_idx, B);
   CUDA_CHECK(cudaMemcpyAsync(d_pos0_.get(), ps, B * 4, cudaMemcpyHostToDevice, s));
   CUDA_CHECK(cudaMemcpyAsync(d_tables_.get(), tables, int64_t{B} * max_pages_ * 4, cudaMemcpyHostToDevice, s));
   // The staging is reused by the next prepare(): finish these copies first.
   CUDA_CHECK(cudaStreamSynchronize(s));
+}
+
+void GpuRank::upload_state_idx(const int32_t* idx, int B) {
+  // reads at [0, max_batch), writes at [max_batch, 2 max_batch): fixed addresses for the graphs
+  int32_t* d = d_state_idx_.get<int32_t>();
+  CUDA_CHECK(cudaMemcpyAsync(d, idx, B * 4, cudaMemcpyHostToDevice, ctx_.stream));
+  CUDA_CHECK(cudaMemcpyAsync(d + o_.max_batch, idx + B, B * 4, cudaMemcpyHostToDevice, ctx_.stream));
 }
 
 void GpuRank::enqueue(StepKind kind) {
@@ -224,10 +236,15 @@ void GpuRank::commit(std::span<const int> slots, std::span<const int> accepted) 
     K3_CHECK(accepted[b] >= 0 && accepted[b] <= q_, "commit: {} tokens accepted of {}", accepted[b], q_);
     p[b] = accepted[b];
     p[B + b] = slots[b];
+    p[2 * B + b] = caches_.read_state(slots[b]);
+    p[3 * B + b] = caches_.write_state(slots[b]);
   }
   CUDA_CHECK(cudaMemcpyAsync(d_accepted_.get(), p, B * 4, cudaMemcpyHostToDevice, ctx_.stream));
   CUDA_CHECK(cudaMemcpyAsync(d_slots_.get(), p + B, B * 4, cudaMemcpyHostToDevice, ctx_.stream));
-  caches_.commit(d_slots_.get<int32_t>(), d_accepted_.get<int32_t>(), B, ctx_.stream);
+  upload_state_idx(p + 2 * B, B);
+  const int32_t* d_idx = d_state_idx_.get<int32_t>();
+  caches_.commit(slots, accepted, q_, d_slots_.get<int32_t>(), d_accepted_.get<int32_t>(), d_idx, d_idx + o_.max_batch,
+                 ctx_.stream);
   CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));
   for (int b = 0; b < B; ++b) table_.commit(slots[b], accepted[b]);
 }
