@@ -32,6 +32,21 @@ namespace {
 
 using namespace gputest;
 
+// The output features a linear test compares with the CPU: all of them (small shapes), else the first and last
+// 64 and 128 spread between.
+std::vector<int64_t> checked_features(bool small, int64_t out) {
+  std::vector<int64_t> feats;
+  if (small || out <= 256) {
+    feats.resize(static_cast<size_t>(out));
+    std::iota(feats.begin(), feats.end(), 0);
+  } else {
+    for (int64_t o = 0; o < 64; ++o) feats.push_back(o);
+    for (int64_t i = 0; i < 128; ++i) feats.push_back(64 + (out - 128) * i / 128);
+    for (int64_t o = out - 64; o < out; ++o) feats.push_back(o);
+  }
+  return feats;
+}
+
 constexpr double kNormOfChained = 3 * kBf16Ulp;
 constexpr double kF32Rel = 1e-4;
 
@@ -55,15 +70,7 @@ void check_linear(const std::vector<float>& w, int64_t rows, int64_t in, int64_t
   const std::vector<float> got = y_f32 ? download<float>(dy, static_cast<size_t>(rows * out))
                                        : download_bf16(dy, static_cast<size_t>(rows * out));
 
-  std::vector<int64_t> feats;
-  if (rows * in * out <= (int64_t{1} << 27) || out <= 256) {
-    feats.resize(static_cast<size_t>(out));
-    std::iota(feats.begin(), feats.end(), 0);
-  } else {
-    for (int64_t o = 0; o < 64; ++o) feats.push_back(o);
-    for (int64_t i = 0; i < 128; ++i) feats.push_back(64 + (out - 128) * i / 128);
-    for (int64_t o = out - 64; o < out; ++o) feats.push_back(o);
-  }
+  const std::vector<int64_t> feats = checked_features(rows * in * out <= (int64_t{1} << 27), out);
   const auto nf = static_cast<int64_t>(feats.size());
   std::vector<bf16> wsub(static_cast<size_t>(nf * in));
   for (int64_t f = 0; f < nf; ++f) {
@@ -319,15 +326,7 @@ std::vector<uint8_t> linear_bytes_at(ops::cuda::LinearPath path, const bf16* x, 
 // 64 and 128 spread between.
 void expect_linear_cpu(const std::vector<uint8_t>& bytes, const std::vector<float>& x, const std::vector<float>& w,
                        int64_t rows, int64_t in, int64_t out, bool y_f32, const char* what) {
-  std::vector<int64_t> feats;
-  if (rows * in * out <= (int64_t{1} << 25) || out <= 256) {
-    feats.resize(static_cast<size_t>(out));
-    std::iota(feats.begin(), feats.end(), 0);
-  } else {
-    for (int64_t o = 0; o < 64; ++o) feats.push_back(o);
-    for (int64_t i = 0; i < 128; ++i) feats.push_back(64 + (out - 128) * i / 128);
-    for (int64_t o = out - 64; o < out; ++o) feats.push_back(o);
-  }
+  const std::vector<int64_t> feats = checked_features(rows * in * out <= (int64_t{1} << 25), out);
   const auto nf = static_cast<int64_t>(feats.size());
   std::vector<bf16> wsub(static_cast<size_t>(nf * in));
   for (int64_t f = 0; f < nf; ++f)

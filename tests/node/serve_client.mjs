@@ -33,6 +33,13 @@ async function health(url) {
   const r = await fetch(`${url}/health`);
   return { http: r.status, ...(await r.json()) };
 }
+// /health once no request holds a slot, or after 10 s.
+async function untilIdle(url) {
+  for (const t0 = Date.now(); ; await new Promise((r) => setTimeout(r, 50))) {
+    const h = await health(url);
+    if (h.running === 0 || Date.now() - t0 > 10000) return h;
+  }
+}
 
 // --- models
 const models = await small.models.list();
@@ -158,13 +165,8 @@ ok('streaming completions equal the non-streamed ones');
     n += chunk.choices[0].token_ids.length;
     if (n >= 5) break;  // leaving the loop aborts the HTTP request
   }
-  let h;
   const t0 = Date.now();
-  for (;;) {
-    h = await health(smallUrl);
-    if (h.running === 0 || Date.now() - t0 > 10000) break;
-    await new Promise((r) => setTimeout(r, 50));
-  }
+  const h = await untilIdle(smallUrl);
   assert.equal(h.running, 0, 'the cancelled request still holds a slot');
   assert.equal(h.free_slots, h.max_slots);
   const after = await metrics(smallUrl);
@@ -189,13 +191,8 @@ ok('streaming completions equal the non-streamed ones');
   assert.ok(started >= 5, 'the non-streaming request never started generating');
   ctl.abort();
   await assert.rejects(pending);
-  let h;
   const t0 = Date.now();
-  for (;;) {
-    h = await health(smallUrl);
-    if (h.running === 0 || Date.now() - t0 > 10000) break;
-    await new Promise((r) => setTimeout(r, 50));
-  }
+  const h = await untilIdle(smallUrl);
   assert.equal(h.running, 0, 'the aborted non-streaming request still holds a slot');
   assert.equal(h.free_slots, h.max_slots);
   const after = await metrics(smallUrl);
