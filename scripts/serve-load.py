@@ -3,9 +3,10 @@
 
 usage: scripts/serve-load.py --url http://127.0.0.1:8000 [--concurrency 1 8 32 64] [--requests N]
                              [--max-tokens T] [--prompt-len L] [--vocab V] [--repetitive] [--json OUT]
-                             [--dump IDS]
+                             [--temperature T] [--dump IDS]
 
-For each concurrency c: N requests (token-id prompts, greedy, streamed), c in flight at a time.
+For each concurrency c: N requests (token-id prompts, greedy or with --temperature seeded top-p
+sampling, streamed), c in flight at a time.
 Reports per c: requests/s, output tokens/s, time per output token (median over requests of
 (last token - first token) / (tokens - 1), from the stream), time to the first token (median),
 and the share of the wall time the server spent in decode steps (k3_step_seconds_total from
@@ -38,12 +39,15 @@ def metrics(url):
     return out
 
 
-def one(url, prompt, max_tokens):
+def one(url, prompt, max_tokens, temperature=0.0, seed=0):
     """Streams one completion; returns (tokens, t_first, t_last, t_start) or raises."""
     u = urllib.parse.urlparse(url)
     c = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    body = json.dumps({"model": "k3", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "ignore_eos": True})
+    req = {"model": "k3", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+           "stream": True, "ignore_eos": True}
+    if temperature > 0:
+        req.update({"top_p": 0.9, "seed": seed})
+    body = json.dumps(req)
     t0 = time.perf_counter()
     c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     r = c.getresponse()
@@ -67,7 +71,7 @@ def one(url, prompt, max_tokens):
     return tokens, first, last, t0
 
 
-def run(url, conc, prompts, max_tokens):
+def run(url, conc, prompts, max_tokens, temperature=0.0):
     before = metrics(url)
     results, lost = [], []
     lock = threading.Lock()
@@ -80,7 +84,7 @@ def run(url, conc, prompts, max_tokens):
             if i is None:
                 return
             try:
-                toks, first, last, t0 = one(url, prompts[i], max_tokens)
+                toks, first, last, t0 = one(url, prompts[i], max_tokens, temperature, i)
                 if not toks:
                     raise RuntimeError("no tokens")
                 with lock:
@@ -122,6 +126,8 @@ def main():
     ap.add_argument("--repetitive", action="store_true")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: seeded top-p 0.9 sampling (request i seeds i) instead of greedy")
     ap.add_argument("--dump", help="after the load: the greedy token ids of 8 fixed prompts, one JSON line each")
     a = ap.parse_args()
     rng = random.Random(a.seed)
@@ -133,7 +139,7 @@ def main():
             prompts = [(passage * (a.prompt_len // len(passage) + 1))[:a.prompt_len] for _ in range(n)]
         else:
             prompts = [[rng.randrange(1, a.vocab) for _ in range(a.prompt_len)] for _ in range(n)]
-        r = run(a.url, conc, prompts, a.max_tokens)
+        r = run(a.url, conc, prompts, a.max_tokens, a.temperature)
         out.append(r)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
     if a.json:
