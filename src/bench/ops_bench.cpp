@@ -17,7 +17,6 @@
 #include "bench/bench.h"
 #include "bench/kernels.h"
 #include "core/cuda.h"
-#include "ops/attn_res.h"
 #include "ops/dsa.h"
 #include "ops/kda.h"
 #include "ops/linear.h"
@@ -90,8 +89,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
   };
 
   K3_CHECK(args.ops_only.empty() || args.ops_only == "linear" || args.ops_only == "moe" ||
-               args.ops_only == "kda" || args.ops_only == "mla" || args.ops_only == "attn_res",
-           "bench: --ops-only takes linear, moe, kda, mla or attn_res, not '{}'", args.ops_only);
+               args.ops_only == "kda" || args.ops_only == "mla",
+           "bench: --ops-only takes linear, moe, kda or mla, not '{}'", args.ops_only);
   auto want = [&](const char* section) { return args.ops_only.empty() || args.ops_only == section; };
 
   // 1. Projections: hand-written kernel vs cuBLASLt vs the chosen path.
@@ -168,54 +167,6 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
     }
 
   }
-  // attn_res at the K3 shape (dim 7168, 8 blocks + p, delta, out norm: the layers' mixes; no out norm:
-  // the final one): one CTA per row against the cluster kernel; and each after a 1-row projection
-  // (1536 x 7168, minus that projection alone), as the step interleaves them.
-  if (want("attn_res")) {
-    fmt::print("\nattn_res (dim 7168, 9 sources), us per call: cluster, one CTA per row, auto\n");
-    fmt::print("{:>5} {:>8} {:>9} {:>9} {:>9} {:>9} {:>14} {:>14}\n", "rows", "out_norm", "cluster", "cta", "auto",
-               "floor", "cluster+proj", "cta+proj");
-    const int64_t D = 7168, nb = 8;
-    DeviceBuffer pw = random_buffer(1536 * D * 2, 0, s, 40), px = random_buffer(D * 2, 0, s, 41), py(1536 * 2);
-    const double proj_us = time_us(s, [&] {
-      K3_OK(cu::linear(ctx, px.get<bf16>(), pw.get<bf16>(), py.get(), false, 1, D, 1536));
-    });
-    for (const int64_t rows : {1, 2, 4, 8, 32}) {
-      DeviceBuffer prefix = random_buffer(rows * D * 2, 0, s, 42), delta = random_buffer(rows * D * 2, 0, s, 43),
-                   blocks = random_buffer(rows * nb * D * 2, 0, s, 44), nw = random_buffer(D * 2, 0, s, 45),
-                   prw = random_buffer(D * 2, 0, s, 46), ow = random_buffer(D * 2, 0, s, 47), out(rows * D * 2);
-      for (const bool norm : {true, false}) {
-        cu::AttnResCudaArgs a;
-        a.prefix = prefix.get<bf16>();
-        a.delta = delta.get<bf16>();
-        a.blocks = blocks.get<bf16>();
-        a.max_blocks = static_cast<int>(nb);
-        a.norm_w = nw.get<bf16>();
-        a.proj_w = prw.get<bf16>();
-        a.out_norm_w = norm ? ow.get<bf16>() : nullptr;
-        a.num_blocks = static_cast<int>(nb);
-        a.out = out.get<bf16>();
-        a.rows = rows;
-        a.dim = D;
-        double t[3], tp[2];
-        const cu::AttnResPath paths[3] = {cu::AttnResPath::Cluster, cu::AttnResPath::Cta, cu::AttnResPath::Auto};
-        for (int p = 0; p < 3; ++p) t[p] = time_us(s, [&] { K3_OK(cu::attn_res_via(a, paths[p], s)); });
-        for (int p = 0; p < 2; ++p)
-          tp[p] = time_us(s, [&] {
-            K3_OK(cu::linear(ctx, px.get<bf16>(), pw.get<bf16>(), py.get(), false, 1, D, 1536));
-            K3_OK(cu::attn_res_via(a, paths[p], s));
-          }) - proj_us;
-        // prefix + delta + blocks read, prefix and out written, the weights once
-        const double bytes = double(rows) * D * 2 * (nb + 4) + double(D) * 2 * (norm ? 3 : 2);
-        fmt::print("{:>5} {:>8} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>14.1f} {:>14.1f}\n", rows, norm ? "yes" : "no",
-                   t[0], t[1], t[2], bytes / bw * 1e6, tp[0], tp[1]);
-        record("attn_res", fmt::format("rows{} {}", rows, norm ? "norm" : "no_norm"), t[2], bytes,
-               {{"cluster_us", t[0]}, {"cta_us", t[1]}, {"cluster_after_proj_us", tp[0]}, {"cta_after_proj_us", tp[1]},
-                {"M", rows}});
-      }
-    }
-  }
-
   // 2. Routed experts (MXFP4, 28 local experts of L 3584, I 3072), r rows per touched expert.
   if (want("moe")) {
     fmt::print("\nrouted experts: 28 local MXFP4 experts (3584 -> 3072 -> 3584), r rows on each of n experts\n");

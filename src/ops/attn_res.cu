@@ -28,11 +28,6 @@
 // bound: more CTAs per row shorten each CTA's slice), raised
 // until at least three CTAs' slices fit one SM's shared memory; at least 64 chunks per CTA.
 //
-// Few rows (up to kAttnResCtaMaxRows, when the row fits one CTA's shared memory and cs slices of threads
-// fit 1024): the same work in one CTA per row, its threads cs groups each doing what one CTA of the cluster
-// does (attn_res_body<false>): one launch without clusters, the exchanges through the CTA's own shared
-// memory and CTA barriers. Same sums in the same order: the same bits as the cluster kernel at that cs.
-//
 // Fallback (pre-sm_90 device, dim % 8 != 0 or unaligned pointers, or slices too large for shared
 // memory even at cs = 8): the one-CTA-per-row kernel below, reading the sources from global memory
 // twice; 8 bf16 per chunk when dim % 8 == 0 and every pointer is 16-byte aligned, else one.
@@ -40,8 +35,6 @@
 
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 
 #include "ops/attn_res.h"
 #include "ops/cuda_bf16.cuh"
@@ -243,66 +236,51 @@ __device__ __forceinline__ float warp_sum16_transposed(float (&v)[16], int lane)
   return v[0] + __shfl_xor_sync(0xffffffffu, v[0], 1);
 }
 
-// The body of both main-path kernels. kCluster: grid.x = rows * cs, cluster (cs, 1, 1): cluster r is row r,
-// its CTA k (= block rank) slice k; dynamic shared memory ar_dyn_smem(ar_slots(...), per, blockDim.x / 32,
-// nsrc) bytes. Else (the one-CTA-per-row kernel, few rows): grid.x = rows, the CTA's threads are cs groups
-// of blockDim.x / cs, group k running what CTA k of the cluster runs, its slices in the CTA's own shared
-// memory (slot-major over the whole row: ar_dyn_smem(..., cs * per, blockDim.x / 32, nsrc) bytes), the
-// cluster barriers CTA barriers and the remote reads local ones. The sums run in the same order in both,
-// so for the same cs they give the same bits.
-template <bool kCluster>
-__device__ __forceinline__ void attn_res_body(const AttnResCudaArgs& a, int cta_cs) {
+// grid.x = rows * cs, cluster (cs, 1, 1): cluster r is row r, its CTA k (= block rank) slice k.
+// Dynamic shared memory: ar_dyn_smem(ar_slots(...), per, blockDim.x / 32, nsrc) bytes.
+__global__ void __launch_bounds__(kArMaxThreads, 2) attn_res_cluster_kernel(AttnResCudaArgs a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   extern __shared__ uint4 ar_dyn[];
   __shared__ ArShared sh;
-  __shared__ float gcsum[kCluster ? 1 : kArMaxCluster][2 * kAttnResMaxSources];  // the groups' csum
-  __shared__ float gcnorm[kArMaxCluster];                                          // the groups' cnorm
-  __shared__ float gred[2 * kArMaxWarps];                                          // per warp of the CTA
 
-  const int cs = kCluster ? static_cast<int>(cg::this_cluster().num_blocks()) : cta_cs;
-  const int nthr = kCluster ? static_cast<int>(blockDim.x) : static_cast<int>(blockDim.x) / cs;  // per slice
-  const int rank = kCluster ? static_cast<int>(cg::this_cluster().block_rank()) : static_cast<int>(threadIdx.x) / nthr;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int cs = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
   const int64_t dim = a.dim, chunks = dim / 8;
-  const int64_t r = kCluster ? blockIdx.x / cs : blockIdx.x;
-  const int per = static_cast<int>((chunks + cs - 1) / cs);  // the slice size in chunks
+  const int64_t r = blockIdx.x / cs;
+  const int per = static_cast<int>((chunks + cs - 1) / cs);  // the slot size in chunks (fits shared memory)
   const int64_t c0 = std::min<int64_t>(chunks, static_cast<int64_t>(rank) * per);
   const int n = static_cast<int>(std::min<int64_t>(chunks, c0 + per) - c0);  // >= 1 (the launcher)
   const int64_t e0 = c0 * 8;  // the slice's first element
-  const int tid = static_cast<int>(threadIdx.x) % nthr, lane = tid % kWarp, warp = tid / kWarp;
-  const int warps = nthr / kWarp;  // nthr is a multiple of 32
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int nthr = blockDim.x, warps = nthr / kWarp;  // blockDim.x is a multiple of 32
   const int nb = a.num_blocks, nsrc = nb + 1, wi = a.block_write_idx;
   const bool has_delta = a.delta != nullptr, norm = a.out_norm_w != nullptr;
   const bool wi_src = wi >= 0 && wi < nb;  // the block written is one of the mixed sources
   const ArSlots sl = ar_slots(nb, has_delta, norm);
-  // Slot k of this slice at stash + k * sstride (cluster: the CTA's slices; else slot k holds the row).
-  const int sstride = kCluster ? per : cs * per;
-  uint4* const stash = ar_dyn + (kCluster ? 0 : static_cast<int64_t>(rank) * per);
-  float* const part = reinterpret_cast<float*>(ar_dyn + sl.n * sstride) + (kCluster ? 0 : rank * warps * 2 * nsrc);
-  float* const csum = kCluster ? sh.csum : gcsum[kCluster ? 0 : rank];
+  uint4* const stash = ar_dyn;  // slot k at stash + k * per
+  float* const part = reinterpret_cast<float*>(ar_dyn + sl.n * per);
   const uint32_t bar = smem_u32(&sh.bar);
 
   bf16* p = a.prefix + r * dim;
   bf16* blocks_r = a.blocks != nullptr ? a.blocks + r * a.max_blocks * dim : nullptr;
   bf16* block_w = wi >= 0 ? blocks_r + wi * dim : nullptr;
 
-  // 0. Every input slice (one CTA per row: every input row) -> shared memory, one bulk copy each, all in
-  // flight together.
-  if (threadIdx.x == 0) {
+  // 0. Every input slice -> shared memory, one bulk copy each, all in flight together.
+  if (tid == 0) {
     mbar_init(bar, 1);
     fence_proxy_async_smem();
-    uint4* const st = ar_dyn;
-    const int64_t l0 = kCluster ? e0 : 0;  // the first element loaded
-    const uint32_t bytes = static_cast<uint32_t>(kCluster ? n : chunks) * 16u;
+    const uint32_t bytes = static_cast<uint32_t>(n) * 16u;
     const int loads = sl.n - (wi_src ? 1 : 0);
     mbar_arrive_expect_tx(bar, static_cast<uint32_t>(loads) * bytes);
-    bulk_load(st + sl.p * sstride, p + l0, bytes, bar);
-    if (has_delta) bulk_load(st + sl.d * sstride, a.delta + r * dim + l0, bytes, bar);
-    bulk_load(st + sl.nw * sstride, a.norm_w + l0, bytes, bar);
-    bulk_load(st + sl.pw * sstride, a.proj_w + l0, bytes, bar);
+    bulk_load(stash + sl.p * per, p + e0, bytes, bar);
+    if (has_delta) bulk_load(stash + sl.d * per, a.delta + r * dim + e0, bytes, bar);
+    bulk_load(stash + sl.nw * per, a.norm_w + e0, bytes, bar);
+    bulk_load(stash + sl.pw * per, a.proj_w + e0, bytes, bar);
     for (int s = 0; s < nb; ++s)
-      if (s != wi) bulk_load(st + s * sstride, blocks_r + s * dim + l0, bytes, bar);
-    if (norm) bulk_load(st + sl.ow * sstride, a.out_norm_w + l0, bytes, bar);
+      if (s != wi) bulk_load(stash + s * per, blocks_r + s * dim + e0, bytes, bar);
+    if (norm) bulk_load(stash + sl.ow * per, a.out_norm_w + e0, bytes, bar);
   }
   __syncthreads();  // the mbarrier is initialized before anyone waits on it
   while (!mbar_try_wait(bar, 0)) {
@@ -311,19 +289,19 @@ __device__ __forceinline__ void attn_res_body(const AttnResCudaArgs& a, int cta_
   // 1. p = bf16(prefix + delta) -> the prefix slot, prefix, the block written (and its slot).
   if (has_delta || block_w != nullptr) {
     for (int u = tid; u < n; u += nthr) {
-      uint4 pr = stash[sl.p * sstride + u];
+      uint4 pr = stash[sl.p * per + u];
       if (has_delta) {
         float pv[8], dv[8];
         detail::unpack_bf16x8(pr, pv);
-        detail::unpack_bf16x8(stash[sl.d * sstride + u], dv);
+        detail::unpack_bf16x8(stash[sl.d * per + u], dv);
 #pragma unroll
         for (int i = 0; i < 8; ++i) pv[i] = pv[i] + dv[i];
         pr = detail::pack_bf16x8(pv);  // round to nearest even, as the CPU's round_bf16(p + d)
-        stash[sl.p * sstride + u] = pr;
+        stash[sl.p * per + u] = pr;
         *reinterpret_cast<uint4*>(p + e0 + u * 8) = pr;
       }
       if (block_w != nullptr) *reinterpret_cast<uint4*>(block_w + e0 + u * 8) = pr;
-      if (wi_src) stash[wi * sstride + u] = pr;
+      if (wi_src) stash[wi * per + u] = pr;
     }
   }
 
@@ -334,15 +312,15 @@ __device__ __forceinline__ void attn_res_body(const AttnResCudaArgs& a, int cta_
     for (int j = 0; j < 2 * kArGroup; ++j) acc[j] = 0.f;
     for (int u = tid; u < n; u += nthr) {
       float np[8], pw[8];
-      detail::unpack_bf16x8(stash[sl.nw * sstride + u], np);
-      detail::unpack_bf16x8(stash[sl.pw * sstride + u], pw);
+      detail::unpack_bf16x8(stash[sl.nw * per + u], np);
+      detail::unpack_bf16x8(stash[sl.pw * per + u], pw);
 #pragma unroll
       for (int i = 0; i < 8; ++i) np[i] *= pw[i];  // norm_w * proj_w is exact in FP32
 #pragma unroll
       for (int j0 = 0; j0 < kArGroup; j0 += 4) {
         uint4 raw[4];  // four loads in flight together
 #pragma unroll
-        for (int j = 0; j < 4; ++j) raw[j] = g + j0 + j < nsrc ? stash[(g + j0 + j) * sstride + u] : make_uint4(0, 0, 0, 0);
+        for (int j = 0; j < 4; ++j) raw[j] = g + j0 + j < nsrc ? stash[(g + j0 + j) * per + u] : make_uint4(0, 0, 0, 0);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           if (g + j0 + j < nsrc) {
@@ -372,17 +350,12 @@ __device__ __forceinline__ void attn_res_body(const AttnResCudaArgs& a, int cta_
 #pragma unroll
     for (int w = 0; w < kArMaxWarps; ++w)
       if (w < warps) s += x[w];  // warp order
-    csum[t] = s;
+    sh.csum[t] = s;
   }
-  if constexpr (kCluster) {
-    cg::this_cluster().sync();  // every CTA's csum is written and visible to the cluster
-  } else {
-    __syncthreads();
-  }
+  cluster.sync();  // every CTA's csum is written and visible to the cluster
 
-  // Totals, scores and softmax in warp 0 (of each CTA; one CTA per row: of the CTA): lane l has sources l
-  // and l + 32.
-  if (threadIdx.x < kWarp) {
+  // Totals, scores and softmax in warp 0: lane l has sources l and l + 32.
+  if (warp == 0) {
     float sc[2];
     float smax = -INFINITY;
 #pragma unroll
@@ -394,7 +367,7 @@ __device__ __forceinline__ void attn_res_body(const AttnResCudaArgs& a, int cta_
 #pragma unroll
         for (int k = 0; k < kArMaxCluster; ++k) {
           if (k < cs) {
-            const float* rc = kCluster ? cg::this_cluster().map_shared_rank(sh.csum, k) : gcsum[kCluster ? 0 : k];
+            const float* rc = cluster.map_shared_rank(sh.csum, k);
             x[k] = rc[2 * s];
             y[k] = rc[2 * s + 1];
           }
@@ -425,9 +398,7 @@ __device__ __forceinline__ void attn_res_body(const AttnResCudaArgs& a, int cta_
       if (lane + h * kWarp < nsrc) sh.alpha[lane + h * kWarp] = static_cast<float>(ex[h] / z);
   }
   __syncthreads();
-  if constexpr (kCluster) {
-    if (!norm) cg::this_cluster().barrier_arrive();  // this CTA's last remote read is done (waited on before exit)
-  }
+  if (!norm) cluster.barrier_arrive();  // this CTA's last remote read is done (waited on before exit)
 
   // 3. mix = bf16(sum_s alpha_s V_s), sources in order -> out (or the prefix slot, for step 4).
   bf16* o = a.out + r * dim + e0;
@@ -439,7 +410,7 @@ __device__ __forceinline__ void attn_res_body(const AttnResCudaArgs& a, int cta_
 #pragma unroll 4
     for (int s = 0; s < nsrc; ++s) {
       float v[8];
-      detail::unpack_bf16x8(stash[s * sstride + u], v);
+      detail::unpack_bf16x8(stash[s * per + u], v);
       const float al = sh.alpha[s];
 #pragma unroll
       for (int i = 0; i < 8; ++i) m[i] = __fadd_rn(m[i], __fmul_rn(al, v[i]));
@@ -451,7 +422,7 @@ __device__ __forceinline__ void attn_res_body(const AttnResCudaArgs& a, int cta_
     }
     const uint4 mr = detail::pack_bf16x8(m);  // exact: m holds bf16 values
     if (norm) {
-      stash[sl.p * sstride + u] = mr;  // p at u was read above, by this thread only
+      stash[sl.p * per + u] = mr;  // p at u was read above, by this thread only
     } else {
       *reinterpret_cast<uint4*>(o + u * 8) = mr;
     }
@@ -460,62 +431,41 @@ __device__ __forceinline__ void attn_res_body(const AttnResCudaArgs& a, int cta_
   if (norm) {
     // 4. out = RMSNorm(mix; out_norm_w, out_eps), the row's sum of mix^2 exchanged as the partials.
     msq = detail::warp_sum(msq);
-    if (lane == 0) gred[threadIdx.x / kWarp] = msq;
+    if (lane == 0) sh.red[warp] = msq;
     __syncthreads();
     if (tid == 0) {
       float t = 0.f;
-      for (int w = 0; w < warps; ++w) t += gred[rank * (kCluster ? 0 : warps) + w];
-      if (kCluster) {
-        sh.cnorm = t;
-      } else {
-        gcnorm[rank] = t;
-      }
+      for (int w = 0; w < warps; ++w) t += sh.red[w];
+      sh.cnorm = t;
     }
-    float mine = 0.f;
-    if constexpr (kCluster) {
-      cg::this_cluster().sync();  // every cnorm visible (and every remote read of csum done)
-      if (lane < cs) mine = *cg::this_cluster().map_shared_rank(&sh.cnorm, lane);
-    } else {
-      __syncthreads();
-      if (lane < cs) mine = gcnorm[lane];
-    }
+    cluster.sync();  // every cnorm visible (and every remote read of csum done)
+    const float mine = lane < cs ? *cluster.map_shared_rank(&sh.cnorm, lane) : 0.f;
     float tot = 0.f;
 #pragma unroll
     for (int k = 0; k < kArMaxCluster; ++k) {
       const float x = __shfl_sync(0xffffffffu, mine, k);
       if (k < cs) tot += x;  // rank order, in every warp
     }
-    if constexpr (kCluster) cg::this_cluster().barrier_arrive();  // this thread's last remote read is done
+    cluster.barrier_arrive();  // this thread's last remote read is done
     const float inv = 1.0f / sqrtf(tot / static_cast<float>(dim) + a.out_eps);
     for (int u = tid; u < n; u += nthr) {
       float m[8], w[8];
-      detail::unpack_bf16x8(stash[sl.p * sstride + u], m);
-      detail::unpack_bf16x8(stash[sl.ow * sstride + u], w);
+      detail::unpack_bf16x8(stash[sl.p * per + u], m);
+      detail::unpack_bf16x8(stash[sl.ow * per + u], w);
 #pragma unroll
       for (int i = 0; i < 8; ++i) m[i] = w[i] * round_bf16_dev(m[i] * inv);
       *reinterpret_cast<uint4*>(o + u * 8) = detail::pack_bf16x8(m);
     }
   }
-  if constexpr (kCluster) cg::this_cluster().barrier_wait();  // no CTA leaves while another may still read it
+  cluster.barrier_wait();  // no CTA leaves while another may still read its shared memory
 #else
   __trap();  // launched only on sm_90+ (checked by the launcher)
 #endif
 }
 
-__global__ void __launch_bounds__(kArMaxThreads, 2) attn_res_cluster_kernel(AttnResCudaArgs a) {
-  attn_res_body<true>(a, 0);
-}
-
-// One CTA per row, cs groups of blockDim.x / cs threads (at most kArMaxCtaThreads in all).
-constexpr int kArMaxCtaThreads = 1024;
-__global__ void __launch_bounds__(kArMaxCtaThreads, 1) attn_res_cta_kernel(AttnResCudaArgs a, int cs) {
-  attn_res_body<false>(a, cs);
-}
-
-// The shared memory of a main-path kernel on device dev: limit, the largest dynamic size of a CTA (the
+// The shared memory of the cluster kernel on device dev: limit, the largest dynamic size of a CTA (the
 // kernel's limit is raised once per device by detail::allow_optin_smem), sm_bytes and cta_extra (static
 // and reserved shared memory of a CTA) to count the CTAs an SM holds.
-template <auto Kernel>
 cudaError_t ar_smem_limits(int dev, int64_t& limit, int64_t& sm_bytes, int64_t& cta_extra) {
   int optin = 0, per_sm = 0, reserved = 0;
   if (cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev); e != cudaSuccess)
@@ -524,32 +474,17 @@ cudaError_t ar_smem_limits(int dev, int64_t& limit, int64_t& sm_bytes, int64_t& 
     return e;
   if (cudaError_t e = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev); e != cudaSuccess)
     return e;
-  cudaFuncAttributes fa{};
-  if (cudaError_t e = cudaFuncGetAttributes(&fa, Kernel); e != cudaSuccess) return e;
-  const int64_t stat = (static_cast<int64_t>(fa.sharedSizeBytes) + 127) / 128 * 128;  // static, rounded up
+  const int64_t stat = (static_cast<int64_t>(sizeof(ArShared)) + 127) / 128 * 128;  // the static layout, rounded up
   limit = optin - stat;
   sm_bytes = per_sm;
   cta_extra = stat + reserved;
   if (limit <= 0) return cudaSuccess;
-  return detail::allow_optin_smem<Kernel>(/*max_carveout=*/true);
-}
-
-// The K3_ATTN_RES environment variable (A/B runs of the step): "cluster" or "cta" forces Auto's path.
-AttnResPath env_path() {
-  static const AttnResPath p = [] {
-    const char* v = std::getenv("K3_ATTN_RES");
-    if (v != nullptr && std::strcmp(v, "cluster") == 0) return AttnResPath::Cluster;
-    if (v != nullptr && std::strcmp(v, "cta") == 0) return AttnResPath::Cta;
-    return AttnResPath::Auto;
-  }();
-  return p;
+  return detail::allow_optin_smem<attn_res_cluster_kernel>(/*max_carveout=*/true);
 }
 
 }  // namespace
 
-int attn_res(const AttnResCudaArgs& a, CUstream_st* stream) { return attn_res_via(a, AttnResPath::Auto, stream); }
-
-int attn_res_via(const AttnResCudaArgs& a, AttnResPath path, CUstream_st* stream) {
+int attn_res(const AttnResCudaArgs& a, CUstream_st* stream) {
   if (a.rows < 0 || a.dim <= 0 || a.rows > 0x7fffffff) return cudaErrorInvalidValue;
   if (a.prefix == nullptr || a.out == nullptr || a.norm_w == nullptr || a.proj_w == nullptr || a.out == a.prefix)
     return cudaErrorInvalidValue;
@@ -559,7 +494,6 @@ int attn_res_via(const AttnResCudaArgs& a, AttnResPath path, CUstream_st* stream
   if (a.rows == 0) return cudaSuccess;
   const bool vec = a.dim % 8 == 0 && aligned16(a.prefix) && aligned16(a.delta) && aligned16(a.blocks) &&
                    aligned16(a.norm_w) && aligned16(a.proj_w) && aligned16(a.out_norm_w) && aligned16(a.out);
-  if (path == AttnResPath::Auto) path = env_path();
 
   int dev = 0, sms = 0, major = 0;
   if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
@@ -567,8 +501,7 @@ int attn_res_via(const AttnResCudaArgs& a, AttnResPath path, CUstream_st* stream
   if (major >= 9 && vec) {
     sms = detail::device_sm_count();
     int64_t limit = 0, sm_bytes = 0, cta_extra = 0;
-    if (cudaError_t e = ar_smem_limits<attn_res_cluster_kernel>(dev, limit, sm_bytes, cta_extra); e != cudaSuccess)
-      return e;
+    if (cudaError_t e = ar_smem_limits(dev, limit, sm_bytes, cta_extra); e != cudaSuccess) return e;
     const int nsrc = a.num_blocks + 1;
     const ArSlots sl = ar_slots(a.num_blocks, a.delta != nullptr, a.out_norm_w != nullptr);
     const int64_t chunks = a.dim / 8;
@@ -589,19 +522,6 @@ int attn_res_via(const AttnResCudaArgs& a, AttnResPath path, CUstream_st* stream
     while (cs < cap && 3 * (smem_for(cs) + cta_extra) > sm_bytes) ++cs;
     while (cs < cap && smem_for(cs) > limit) ++cs;
     const int64_t smem = smem_for(cs);
-
-    // Few rows: the same cs slices as groups of one CTA per row, when they fit one CTA.
-    const bool cta_wanted = path == AttnResPath::Cta || (path == AttnResPath::Auto && a.rows <= kAttnResCtaMaxRows);
-    if (cta_wanted && cs * threads_for(cs) <= kArMaxCtaThreads) {
-      int64_t climit = 0, csm = 0, cextra = 0;
-      if (cudaError_t e = ar_smem_limits<attn_res_cta_kernel>(dev, climit, csm, cextra); e != cudaSuccess) return e;
-      const int64_t csmem = ar_dyn_smem(sl, cs * ((chunks + cs - 1) / cs), static_cast<int>(cs) * (threads_for(cs) / kWarp), nsrc);
-      if (csmem <= climit) {
-        attn_res_cta_kernel<<<static_cast<unsigned>(a.rows), static_cast<unsigned>(cs * threads_for(cs)),
-                              static_cast<size_t>(csmem), stream>>>(a, static_cast<int>(cs));
-        return cudaGetLastError();
-      }
-    }
     if (smem <= limit && a.rows * cs <= INT_MAX) {
       cudaLaunchConfig_t cfg = {};
       cfg.gridDim = dim3(static_cast<unsigned>(a.rows * cs), 1, 1);

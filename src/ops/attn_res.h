@@ -57,13 +57,7 @@ struct AttnResCudaArgs {
 };
 constexpr int kAttnResMaxSources = 64;
 
-// The fused attn_res of the CPU op: each row split into cs slices (up to 8) on sm_90, one launch. Up to
-// kAttnResCtaMaxRows rows one CTA per row holds the row's slices (its cs thread groups; no cluster
-// launch, no cluster barriers), else a cluster of cs CTAs per row; both give the same bits for the same
-// cs. Auto = attn_res (the environment variable K3_ATTN_RES=cluster | cta forces one, for A/B runs).
-enum class AttnResPath { Auto, Cluster, Cta };
-constexpr int64_t kAttnResCtaMaxRows = 8;
+// The fused attn_res of the CPU op: each row split over a cluster of up to 8 CTAs (sm_90), one launch.
 int attn_res(const AttnResCudaArgs& a, CUstream_st* stream);
-int attn_res_via(const AttnResCudaArgs& a, AttnResPath path, CUstream_st* stream);
 
 }  // namespace k3::ops::cuda

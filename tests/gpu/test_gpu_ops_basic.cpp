@@ -507,10 +507,8 @@ struct AttnResCase {
 };
 
 // Runs one attn_res case on the GPU and the CPU: prefix and blocks must match exactly, out within
-// the tolerance of its rounding chain. The GPU's out, prefix and blocks (raw) go to *bits when given.
-void check_attn_res(const AttnResCase& c, int max_blocks, uint64_t seed,
-                    ops::cuda::AttnResPath path = ops::cuda::AttnResPath::Auto,
-                    std::vector<std::vector<bf16>>* bits = nullptr) {
+// the tolerance of its rounding chain.
+void check_attn_res(const AttnResCase& c, int max_blocks, uint64_t seed) {
   SCOPED_TRACE(testing::Message() << "rows " << c.rows << " dim " << c.dim << " delta " << c.delta << " blocks "
                                   << c.num_blocks << " write " << c.write_idx << " out_norm " << c.out_norm);
   const size_t n = static_cast<size_t>(c.rows * c.dim), nb = n * max_blocks;
@@ -536,8 +534,7 @@ void check_attn_res(const AttnResCase& c, int max_blocks, uint64_t seed,
   g.out = dout.get<bf16>();
   g.rows = c.rows;
   g.dim = c.dim;
-  ASSERT_EQ(ops::cuda::attn_res_via(g, path, st()), 0);
-  if (bits != nullptr) *bits = {download<bf16>(dout, n), download<bf16>(dp, n), download<bf16>(dbl, nb)};
+  ASSERT_EQ(ops::cuda::attn_res(g, st()), 0);
 
   std::vector<bf16> nwb = to_bf16_vec(norm_w), pwb = to_bf16_vec(proj_w), owb = to_bf16_vec(out_w);
   std::vector<float> out(n);
@@ -576,47 +573,6 @@ TEST(CudaAttnRes, MatchesCpuInEveryMode) {
   for (const auto& c : cases) {
     check_attn_res(c, max_blocks, seed);
     seed += 6;
-  }
-}
-
-// One CTA per row (few rows) against the cluster kernel: the same bits (the same slices, sums in the same
-// order), and both against the CPU.
-TEST(CudaAttnRes, OneCtaPerRowMatchesClusterBitwise) {
-  K3_REQUIRE_GPU();
-  using ops::cuda::AttnResPath;
-  struct Mode {
-    bool delta;
-    int num_blocks, write_idx;
-    bool out_norm;
-    int max_blocks;
-  };
-  const Mode modes[] = {
-      {true, 8, -1, true, 8},    // 9 sources, delta, out norm (the K3 decode shape)
-      {true, 8, -1, false, 8},   // the final mix
-      {false, 8, 2, true, 8},    // the block write is a mixed source
-      {true, 4, 6, true, 8},     // the block write is not a source
-      {false, 0, -1, false, 8},  // p alone
-      {true, 12, 5, true, 16},   // more sources than one partial-sum pass
-  };
-  uint64_t seed = 2600;
-  for (const int64_t dim : {7168, 7000, 1536, 512}) {  // 7000: a remainder slice; 512: one slice
-    for (const int64_t rows : {1, 2, 5, 8}) {
-      for (const auto& m : modes) {
-        std::vector<std::vector<bf16>> cta, cluster;
-        const AttnResCase c{rows, dim, m.delta, m.num_blocks, m.write_idx, m.out_norm};
-        check_attn_res(c, m.max_blocks, seed, AttnResPath::Cta, &cta);
-        check_attn_res(c, m.max_blocks, seed, AttnResPath::Cluster, &cluster);
-        ASSERT_EQ(cta.size(), 3u);
-        ASSERT_EQ(cluster.size(), 3u);
-        for (int k = 0; k < 3; ++k) {
-          ASSERT_EQ(cta[k].size(), cluster[k].size());
-          EXPECT_EQ(std::memcmp(cta[k].data(), cluster[k].data(), cta[k].size() * sizeof(bf16)), 0)
-              << "rows " << rows << " dim " << dim << " sources " << m.num_blocks + 1 << ": "
-              << (k == 0 ? "out" : k == 1 ? "prefix" : "blocks") << " differ between one CTA per row and the cluster";
-        }
-        seed += 6;
-      }
-    }
   }
 }
 
