@@ -91,12 +91,8 @@ __global__ void kda_gated_norm_kernel(const float* __restrict__ o, const bf16raw
 }
 
 // ---- recurrence (step) and replay (commit of n < q accepted tokens) ----
-// A warp owns RPW rows of one (request, head); a CTA `warps` warps. 4 warps x 2 rows
-// by default; when that gives too few CTAs to fill the GPU (B = 1: 12 heads x 16 CTAs
-// on 132 SMs) the rows of a head spread over more, smaller CTAs (1 row per warp).
-// The per-row arithmetic (lane l owns float4 chunks l, l + 32, ...; shuffle sums)
-// does not depend on the split, so every configuration, and the replay, give the
-// same bits. Every input (and the state read) is read-only for the kernel's lifetime
+// A warp owns RPW rows of one (request, head); a CTA 4 warps. The step and the
+// replay share the kernel, so a replay gives the bits of a step of those tokens. Every input (and the state read) is read-only for the kernel's lifetime
 // (the state written is the other buffer), so loads go through the read-only path.
 constexpr int kRecMaxThreads = 128;
 
@@ -241,42 +237,18 @@ __global__ void __launch_bounds__(kRecMaxThreads, 8) kda_rec_kernel(const RecArg
   }
 }
 
-int num_sms() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) !=
-                                                  cudaSuccess || v <= 0)
-      return 132;
-    return v;
-  }();
-  return n;
-}
-
 template <bool REPLAY>
 int launch_rec(const RecArgs& a, int B, CUstream_st* stream) {
-  // 4 warps x 2 rows per CTA, unless that leaves fewer than 2 CTAs per SM: then 1 row per warp, and
-  // 2 warps per CTA if still short.
-  const int64_t heads = int64_t{B} * a.H, target = 2 * int64_t{num_sms()};
-  int warps = 4, rpw = 2;
-  if (heads * ((a.dv + 7) / 8) < target) {
-    rpw = 1;
-    if (heads * ((a.dv + 3) / 4) < target) warps = 2;
-  }
-  const int rows_per_cta = warps * rpw;
+  // 4 warps x 2 rows per CTA at every B: one configuration, so a request's bits never depend on its batch
+  // (1 row per warp at B = 1 was slower and rounded differently).
+  constexpr int warps = 4, rpw = 2, rows_per_cta = warps * rpw;
   const dim3 grid(static_cast<unsigned>((a.dv + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(a.H),
                   static_cast<unsigned>(B));
   const unsigned threads = static_cast<unsigned>(warps * 32);
-  if (a.dk <= 128) {
-    if (rpw == 2)
-      kda_rec_kernel<1, 2, REPLAY><<<grid, threads, 0, stream>>>(a);
-    else
-      kda_rec_kernel<1, 1, REPLAY><<<grid, threads, 0, stream>>>(a);
-  } else {
-    if (rpw == 2)
-      kda_rec_kernel<2, 2, REPLAY><<<grid, threads, 0, stream>>>(a);
-    else
-      kda_rec_kernel<2, 1, REPLAY><<<grid, threads, 0, stream>>>(a);
-  }
+  if (a.dk <= 128)
+    kda_rec_kernel<1, rpw, REPLAY><<<grid, threads, 0, stream>>>(a);
+  else
+    kda_rec_kernel<2, rpw, REPLAY><<<grid, threads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -371,9 +371,8 @@ TEST_P(KdaRecurrenceCuda, MatchesCpuKeepsInputsAndReplaysEveryAccept) {
   }
 }
 
-// The split of a head's rows over CTAs depends on B (B = 1 spreads them wider): request 0 alone gives
-// the same bits as request 0 in a batch of 8.
-TEST(KdaCuda, RowSplitDoesNotChangeTheBits) {
+// A request's bits do not depend on its batch: request 0 alone gives the same bits as in a batch of 8.
+TEST(KdaCuda, BatchDoesNotChangeTheBits) {
   K3_REQUIRE_GPU();
   const int H = 12, d = 128, q = 3, max_q = 4, B = 8;
   const int64_t st_f = int64_t{H} * d * d, C = int64_t{H} * d;
