@@ -52,10 +52,14 @@ wait "$small_pid" || rc=$?
 cat "$work/small.log"
 echo "small server exit code $rc (expected 0)"
 [[ $rc == 0 ]]
-kill -TERM "$tiny_pid"
+# SIGINT drains like SIGTERM (the small server got SIGTERM), here to a background job of a
+# non-interactive shell.
+kill -INT "$tiny_pid"
 rc=0
+for _ in $(seq 100); do kill -0 "$tiny_pid" 2>/dev/null || break; sleep 0.1; done
+if kill -0 "$tiny_pid" 2>/dev/null; then echo "serve_test: the tiny server ignored SIGINT"; kill -KILL "$tiny_pid"; fi
 wait "$tiny_pid" || rc=$?
-echo "tiny server exit code $rc (expected 0)"
+echo "tiny server exit code $rc (expected 0, after SIGINT)"
 [[ $rc == 0 ]]
 grep -q "stopped" "$work/small.log"
 echo "serve_test: PASSED"
