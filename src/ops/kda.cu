@@ -291,23 +291,9 @@ int kda_recurrence(const float* q, const float* k, const bf16* v, const float* g
   if (kept.k != nullptr && (kept.g == nullptr || kept.v == nullptr || kept.beta == nullptr || slots == nullptr))
     return cudaErrorInvalidValue;
   if (B == 0 || q_len == 0) return cudaSuccess;
-  RecArgs a{};
-  a.q = q;
-  a.k = k;
-  a.v = reinterpret_cast<const bf16raw*>(v);
-  a.g = g;
-  a.beta = beta;
-  a.o = o;
-  a.state_pool = state_pool;
-  a.read_idx = read_idx;
-  a.write_idx = write_idx;
-  a.kept = kept;
-  a.slots = slots;
-  a.q_len = q_len;
-  a.max_q = max_q;
-  a.H = H;
-  a.dk = dk;
-  a.dv = dv;
+  const RecArgs a{.q = q, .k = k, .v = reinterpret_cast<const bf16raw*>(v), .g = g, .beta = beta, .o = o,
+                  .state_pool = state_pool, .read_idx = read_idx, .write_idx = write_idx, .kept = kept,
+                  .slots = slots, .accepted = nullptr, .q_len = q_len, .max_q = max_q, .H = H, .dk = dk, .dv = dv};
   return launch_rec<false>(a, B, stream);
 }
 
@@ -321,18 +307,9 @@ int kda_replay(KdaKept kept, float* state_pool, const int32_t* read_idx, const i
   if (kept.k == nullptr || kept.g == nullptr || kept.v == nullptr || kept.beta == nullptr || slots == nullptr ||
       accepted == nullptr)
     return cudaErrorInvalidValue;
-  RecArgs a{};
-  a.state_pool = state_pool;
-  a.read_idx = read_idx;
-  a.write_idx = write_idx;
-  a.kept = kept;
-  a.slots = slots;
-  a.accepted = accepted;
-  a.q_len = q_len;
-  a.max_q = max_q;
-  a.H = H;
-  a.dk = dk;
-  a.dv = dv;
+  const RecArgs a{.q = nullptr, .k = nullptr, .v = nullptr, .g = nullptr, .beta = nullptr, .o = nullptr,
+                  .state_pool = state_pool, .read_idx = read_idx, .write_idx = write_idx, .kept = kept,
+                  .slots = slots, .accepted = accepted, .q_len = q_len, .max_q = max_q, .H = H, .dk = dk, .dv = dv};
   return launch_rec<true>(a, B, stream);
 }
 
