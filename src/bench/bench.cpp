@@ -241,9 +241,7 @@ int run_bench(const BenchArgs& args) {
   CUDA_CHECK(cudaEventCreate(&e1));
   for (const std::string& st : args.steps) {
     const StepKind kind = st == "stock" ? StepKind::Stock : StepKind::Hybrid;
-    const SharedExperts mode = args.shared_experts == "auto"        ? default_shared_experts(kind)
-                               : args.shared_experts == "tp"        ? SharedExperts::Tp
-                                                                    : SharedExperts::Replicated;
+    const SharedExperts mode = parse_shared_experts(args.shared_experts, kind);
     validate(StepOptions{kind, 256, mode});
     if (!rank || shard.ffn_tp != (mode == SharedExperts::Tp)) {
       shard.ffn_tp = mode == SharedExperts::Tp;

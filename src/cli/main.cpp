@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
   SchedulerOptions sched_opts;
   CacheOptions scache;
   scache.max_context = 4096;
-  std::string sstep = "auto", sdevice = "cpu", scomm = "local";
+  std::string sstep = "auto", sdevice = "cpu", scomm = "local", sshared;
   Layout slayout;
   auto* srv = app.add_subcommand("serve", "an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
                                           "/v1/models, /health, /metrics)");
@@ -185,6 +185,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   srv->add_option("--ngram", sched_opts.ngram_max, "longest suffix matched by the drafter")->capture_default_str();
   srv->add_option("--step", sstep, "decode step: auto | stock | hybrid")->capture_default_str();
+  srv->add_option("--shared-experts", sshared,
+                  "shared experts and dense MLP: replicated | tp (TP-sharded, hybrid step only); default: tp with "
+                  "--step hybrid, else replicated");
   srv->add_option("--device", sdevice, "cpu | gpu (one GPU; with --tp/--dp every rank on it; CUDA builds)")->capture_default_str();
   srv->add_option("--tp", slayout.tp, "tensor-parallel group size G (ranks as threads of the server)")
       ->capture_default_str();
@@ -255,11 +258,7 @@ int main(int argc, char** argv) {
       sp.stop_at_eos = !ignore_eos;
       K3_CHECK(step == "auto" || step == "stock" || step == "hybrid", "--step {}: expected auto | stock | hybrid", step);
       eopts.step = step == "stock" ? StepKind::Stock : step == "hybrid" ? StepKind::Hybrid : StepKind::Auto;
-      K3_CHECK(shared_experts.empty() || shared_experts == "replicated" || shared_experts == "tp",
-               "--shared-experts {}: expected replicated | tp", shared_experts);
-      eopts.shared = shared_experts.empty()   ? default_shared_experts(eopts.step)
-                     : shared_experts == "tp" ? SharedExperts::Tp
-                                              : SharedExperts::Replicated;
+      eopts.shared = parse_shared_experts(shared_experts, eopts.step);
       validate(StepOptions{eopts.step, eopts.moe_capacity, eopts.shared});
       layout.validate();
       auto [src, config] = open_model(gm);
@@ -365,6 +364,8 @@ int main(int argc, char** argv) {
                "local); a process per rank (mpi / nccl, rank 0 broadcasting the step plan) is not implemented", scomm);
       slayout.validate();
       const StepKind kind = sstep == "stock" ? StepKind::Stock : sstep == "hybrid" ? StepKind::Hybrid : StepKind::Auto;
+      const SharedExperts shared = parse_shared_experts(sshared, kind);
+      validate(StepOptions{kind, EngineOptions{}.moe_capacity, shared});
       auto [src, config] = open_model(sm);
       std::optional<Tokenizer> tok;
       if (!sm.dir.empty() && Tokenizer::present(sm.dir)) tok = Tokenizer::load(sm.dir);
@@ -382,7 +383,7 @@ int main(int argc, char** argv) {
         go.max_context = scache.max_context;
         go.page_size = scache.page_size;
         go.num_pages = scache.num_pages;
-        go.steps = StepOptions{kind, EngineOptions{}.moe_capacity};
+        go.steps = StepOptions{kind, EngineOptions{}.moe_capacity, shared};
         if (slayout.world() == 1) {
           GpuDecoder decoder(*src, config, go);
           return serve(decoder, std::move(tok), sched_opts, so);
@@ -396,6 +397,7 @@ int main(int argc, char** argv) {
       }
       EngineOptions eo(scache);
       eo.step = kind;
+      eo.shared = shared;
       if (slayout.world() > 1) {
         LocalCluster cluster(src, config, eo, slayout);
         auto decoder = make_layout_decoder(cluster);

@@ -44,6 +44,13 @@ SharedExperts default_shared_experts(StepKind step) {
   return step == StepKind::Hybrid ? SharedExperts::Tp : SharedExperts::Replicated;
 }
 
+SharedExperts parse_shared_experts(const std::string& flag, StepKind step) {
+  K3_CHECK(flag.empty() || flag == "auto" || flag == "replicated" || flag == "tp",
+           "--shared-experts {}: expected replicated | tp", flag);
+  if (flag.empty() || flag == "auto") return default_shared_experts(step);
+  return flag == "tp" ? SharedExperts::Tp : SharedExperts::Replicated;
+}
+
 void validate(const StepOptions& o) {
   K3_CHECK(!(o.step == StepKind::Stock && o.shared == SharedExperts::Tp),
            "--step stock needs --shared-experts replicated (TP-sharded shared experts run in the hybrid step only)");

@@ -49,8 +49,12 @@ void sp_all_gather(Comm& tp, const float* shard, int64_t c, int64_t D, float* al
 // that replaces the all-gather; each rank reads 1/G of their weights).
 enum class SharedExperts { Replicated, Tp };
 const char* shared_experts_name(SharedExperts s);
-// The default of a step: tp for --step hybrid, replicated otherwise.
+// The default of a step: tp for --step hybrid, replicated otherwise (--step auto too: with tp a row's bits
+// depend on which rank owns it in the step, docs/PARALLEL.md, so a request's greedy tokens could depend on
+// its batch at near-ties).
 SharedExperts default_shared_experts(StepKind step);
+// --shared-experts as given (empty or "auto": the default above; "replicated"; "tp"); Error otherwise.
+SharedExperts parse_shared_experts(const std::string& flag, StepKind step);
 
 // How a runtime picks the step for a step of `rows` rows and q tokens per request.
 struct StepOptions {
