@@ -85,6 +85,21 @@ std::pair<std::shared_ptr<const TensorSource>, ModelConfig> open_model(const Mod
   return {make_synthetic(c, m.seed), c};
 }
 
+#ifdef K3_CUDA
+// The GPU rank's capacities from the cache options a command parsed (every request slot in one step).
+GpuRankOptions gpu_rank_options(const CacheOptions& c, const StepOptions& steps) {
+  GpuRankOptions go;
+  go.max_slots = c.max_slots;
+  go.max_batch = c.max_slots;
+  go.max_q = c.max_q;
+  go.max_context = c.max_context;
+  go.page_size = c.page_size;
+  go.num_pages = c.num_pages;
+  go.steps = steps;
+  return go;
+}
+#endif
+
 std::string join(const std::vector<int32_t>& v, const char* sep) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? sep : "") + std::to_string(v[i]);
@@ -271,13 +286,7 @@ int main(int argc, char** argv) {
         K3_CHECK(comm == "local" || comm == "nccl", "--device gpu --comm {}: expected local (ranks as threads on one "
                  "GPU) | nccl (a process per GPU, under mpirun)", comm);
         K3_CHECK(cuda_device_available(), "--device gpu: no usable CUDA device on this machine");
-        GpuRankOptions go;
-        go.max_slots = cache.max_slots;
-        go.max_batch = cache.max_slots;
-        go.max_q = cache.max_q;
-        go.max_context = cache.max_context;
-        go.page_size = cache.page_size;
-        go.steps = StepOptions{eopts.step, eopts.moe_capacity, eopts.shared};
+        const GpuRankOptions go = gpu_rank_options(cache, StepOptions{eopts.step, eopts.moe_capacity, eopts.shared});
         if (layout.world() == 1 && comm == "local") {
           GpuDecoder decoder(*src, config, go);
           results = generate(decoder, ids, max_new, sp, !dump.empty());
@@ -376,14 +385,7 @@ int main(int argc, char** argv) {
       if (sdevice == "gpu") {
 #ifdef K3_CUDA
         K3_CHECK(cuda_device_available(), "--device gpu: no usable CUDA device on this machine");
-        GpuRankOptions go;
-        go.max_slots = scache.max_slots;
-        go.max_batch = scache.max_slots;
-        go.max_q = scache.max_q;
-        go.max_context = scache.max_context;
-        go.page_size = scache.page_size;
-        go.num_pages = scache.num_pages;
-        go.steps = StepOptions{kind, EngineOptions{}.moe_capacity, shared};
+        const GpuRankOptions go = gpu_rank_options(scache, StepOptions{kind, EngineOptions{}.moe_capacity, shared});
         if (slayout.world() == 1) {
           GpuDecoder decoder(*src, config, go);
           return serve(decoder, std::move(tok), sched_opts, so);
