@@ -1,37 +1,53 @@
 #!/usr/bin/env bash
-# `k3decode serve --tp 2 --dp 2` (ranks as threads behind runtime/layout_decoder.h) with python's stdlib as
-# the client: concurrent greedy token-id completions (drafting on) equal `generate --tp 2 --dp 2`'s tokens; a
-# token id outside the vocabulary gets a 400 and the server goes on serving; SIGTERM exits 0; `--comm mpi`
-# is refused with a one-line error. Usage: serve_layout_test.sh K3DECODE WORKDIR
+# `k3decode serve --tp 2 --dp 2` with python's stdlib as the client, its ranks as threads (runtime/layout_decoder.h)
+# or, given MPIEXEC, as the processes of an mpirun job (--comm mpi, --dcp 2: rank 0 serves, the others follow its
+# commands, runtime/rank_channel.h): concurrent greedy token-id completions (drafting on, more requests than
+# slots) equal `generate`'s tokens on the same layout; a token id outside the vocabulary gets a 400 and the
+# server goes on serving; SIGTERM (to rank 0) while a request runs drains it: the request completes and every
+# process exits 0. A bad --comm or world size is refused with a clear error.
+# Usage: serve_layout_test.sh K3DECODE WORKDIR [MPIEXEC]
 set -euo pipefail
-k3=${1:?usage: serve_layout_test.sh K3DECODE WORKDIR}
-work=${2:?usage: serve_layout_test.sh K3DECODE WORKDIR}
+k3=${1:?usage: serve_layout_test.sh K3DECODE WORKDIR [MPIEXEC]}
+work=${2:?usage: serve_layout_test.sh K3DECODE WORKDIR [MPIEXEC]}
+mpiexec=${3:-}
 command -v python3 >/dev/null || { echo "serve_layout_test: python3 is not installed: SKIPPED"; exit 77; }
 rm -rf "$work"
 mkdir -p "$work"
 
-# The refusal: one line, non-zero.
-rc=0
-"$k3" serve --tp 2 --comm mpi --port 0 >/dev/null 2>"$work/mpi.err" || rc=$?
-[[ $rc != 0 && $(wc -l <"$work/mpi.err") == 1 ]] && grep -q "ranks as threads\|thread" "$work/mpi.err" ||
-  { echo "serve_layout_test: --comm mpi: exit $rc, stderr: $(cat "$work/mpi.err")"; exit 1; }
+refused() {  # refused PATTERN CMD...: a non-zero exit with PATTERN on stderr
+  local pattern=$1 rc=0
+  shift
+  "$@" >/dev/null 2>"$work/refused.err" </dev/null || rc=$?
+  [[ $rc != 0 ]] && grep -q "$pattern" "$work/refused.err" ||
+    { echo "serve_layout_test: $*: exit $rc, stderr: $(cat "$work/refused.err")"; exit 1; }
+}
+refused "expected local | mpi | nccl" "$k3" serve --tp 2 --comm ucx --port 0
+refused "with --device gpu" "$k3" serve --tp 2 --comm nccl --port 0
+layout=(--tp 2 --dp 2)
+if [[ -n $mpiexec ]]; then
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  layout=(--tp 2 --dp 2 --dcp 2)
+  refused "3 processes for a world of 4" "$mpiexec" --oversubscribe -np 3 "$k3" serve --comm mpi "${layout[@]}" --port 0
+fi
 
 prompts=(1,2,3 5,6,7,8,9,10,11,12,13 7 100,101,102,103,100,101,102,103,100,101 40,41,42,40,41,42,40 200,17,3,99,45)
 args=()
 for p in "${prompts[@]}"; do args+=(--prompt "$p"); done
-"$k3" generate --tp 2 --dp 2 --max-new 12 --max-context 256 --json "${args[@]}" >"$work/want.json"
+"$k3" generate "${layout[@]}" --max-new 12 --max-context 256 --json "${args[@]}" >"$work/want.json"
 
-"$k3" serve --port 0 --tp 2 --dp 2 --max-slots 2 --max-context 256 --draft 3 >"$work/serve.out" 2>"$work/serve.log" \
-  </dev/null &
+serve=("$k3" serve --port 0 "${layout[@]}" --max-slots 2 --max-context 256 --draft 3)
+[[ -n $mpiexec ]] && serve=("$mpiexec" --oversubscribe -np 4 "${serve[@]}" --comm mpi)
+"${serve[@]}" >"$work/serve.out" 2>"$work/serve.log" </dev/null &
 pid=$!
 trap 'kill $pid 2>/dev/null || true' EXIT
-for _ in $(seq 100); do
+for _ in $(seq 300); do
   grep -q "listening on" "$work/serve.log" && break
   kill -0 $pid 2>/dev/null || { cat "$work/serve.log"; echo "serve_layout_test: the server exited"; exit 1; }
   sleep 0.1
 done
 url=$(grep -o 'http://[0-9.]*:[0-9]*' "$work/serve.log" | head -1)
 grep -q "layout tp 2 dp 2" "$work/serve.log" || { cat "$work/serve.log"; echo "serve_layout_test: no layout"; exit 1; }
+server_pid=$(grep -o '(pid [0-9]*' "$work/serve.log" | head -1 | cut -d' ' -f2)  # rank 0's under mpirun
 
 python3 - "$url" "$work/want.json" "${prompts[@]}" <<'EOF'
 import json, sys, threading, urllib.request, urllib.error
@@ -66,9 +82,32 @@ st, body = post({"prompt": prompts[0], "max_tokens": 12, "temperature": 0})
 assert st == 200 and body["choices"][0]["token_ids"] == want[0], (st, body)
 sys.exit(1 if bad else 0)
 EOF
-kill -TERM $pid
+
+# SIGTERM while a long request runs: it completes (the drain), then the server (every process) exits 0.
+python3 - "$url" "$server_pid" <<'EOF'
+import json, os, signal, sys, threading, time, urllib.request
+url, pid = sys.argv[1], int(sys.argv[2])
+out = {}
+def long():
+    body = {"prompt": [4, 5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        out["body"] = json.load(r)
+t = threading.Thread(target=long)
+t.start()
+for _ in range(500):  # until the request runs
+    with urllib.request.urlopen(url + "/health", timeout=30) as r:
+        if json.load(r)["running"] > 0: break
+    time.sleep(0.02)
+os.kill(pid, signal.SIGTERM)
+t.join()
+n = len(out["body"]["choices"][0]["token_ids"])
+assert n == 200, f"the request in flight was cut at {n} tokens by the shutdown"
+print("SIGTERM: the request in flight completed (200 tokens)")
+EOF
 rc=0
 wait $pid || rc=$?
 trap - EXIT
 [[ $rc == 0 ]] || { cat "$work/serve.log"; echo "serve_layout_test: exit code $rc after SIGTERM"; exit 1; }
-echo "serve_layout_test: PASSED"
+grep -q "stopped" "$work/serve.log" || { cat "$work/serve.log"; echo "serve_layout_test: no clean stop"; exit 1; }
+echo "serve_layout_test: PASSED${mpiexec:+ (mpirun)}"

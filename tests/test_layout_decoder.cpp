@@ -1,9 +1,12 @@
-// LayoutDecoder (runtime/layout_decoder.h): a layout's ranks as threads behind one Decoder, driven by the Scheduler.
-//   LayoutScheduler   greedy tokens of staggered requests (more than the slots, drafting off and on) equal
-//                     generate() on the same layout (LocalCluster), bit for bit, and the single rank's within the
-//                     near-tie rule (tests/test_parallel.cpp)
+// LayoutDecoder (runtime/layout_decoder.h): a layout's ranks behind one Decoder, driven by the Scheduler; its ranks
+// as threads (ThreadRanks) or as followers of a command channel (ChannelRanks, the mpirun form, played by threads).
+//   LayoutScheduler   greedy tokens of staggered requests (more than the slots, drafting off and on, threads and
+//                     channel) equal generate() on the same layout (LocalCluster), bit for bit, and the single
+//                     rank's within the near-tie rule (tests/test_parallel.cpp)
 //   LayoutDecoder     the slot mapping (replica p's slot s = p * slots_per_replica + s), the logits' order, idle
-//                     replicas, errors (the facade stays usable), the Scheduler's refusal of one rank of a layout
+//                     replicas, errors (the facade stays usable; both runners), the Scheduler's refusal of one
+//                     rank of a layout
+//   RankCommand       the byte encoding's round trip and its refusal of malformed messages
 // A watchdog ends the process if the rank threads do not finish (a hang is a failure).
 #include <gtest/gtest.h>
 
@@ -19,9 +22,12 @@
 #include <mutex>
 #include <thread>
 
+#include "comm/local.h"
+#include "core/rng.h"
 #include "io/synthetic.h"
 #include "runtime/cluster.h"
 #include "runtime/layout_decoder.h"
+#include "runtime/rank_channel.h"
 #include "runtime/scheduler.h"
 
 namespace {
@@ -134,14 +140,47 @@ struct Outcome {
   FinishReason reason = FinishReason::None;
 };
 
-// The Scheduler over a LayoutDecoder over a LocalCluster.
+// The facade over ChannelRanks (runtime/rank_channel.h), as an mpirun job runs it: world rank 0 on the caller's
+// thread, every other rank a follower thread in follow_commands(), the commands on a channel of its own
+// (make_local_world's world groups, not the engines').
+struct ChannelFacade {
+  std::vector<RankGroups> channel;
+  std::vector<std::unique_ptr<EngineDecoder>> ranks;
+  std::vector<std::thread> followers;
+  std::vector<int64_t> commands;  // each follower's count of commands run
+  std::unique_ptr<LayoutDecoder> dec;
+  explicit ChannelFacade(LocalCluster& cluster) : channel(make_local_world(cluster.layout())) {
+    const int W = cluster.layout().world();
+    commands.assign(static_cast<size_t>(W), 0);
+    for (int w = 0; w < W; ++w) ranks.push_back(std::make_unique<EngineDecoder>(cluster.engine(w)));
+    for (int w = 1; w < W; ++w)
+      followers.emplace_back([this, w] { commands[w] = follow_commands(*ranks[w], *channel[w].world); });
+    dec = std::make_unique<LayoutDecoder>(std::make_unique<ChannelRanks>(*ranks[0], *channel[0].world));
+  }
+  // Ends the followers (the facade's destruction sends Quit); returns how many commands each ran.
+  std::vector<int64_t> finish() {
+    dec.reset();
+    for (auto& t : followers) t.join();
+    followers.clear();
+    return commands;
+  }
+  ~ChannelFacade() { finish(); }
+};
+
+// The Scheduler over a LayoutDecoder over a LocalCluster: rank threads, or followers of a command channel.
 struct Harness {
   LocalCluster cluster;
-  std::unique_ptr<LayoutDecoder> dec;
+  std::unique_ptr<LayoutDecoder> threads;
+  std::unique_ptr<ChannelFacade> chan;
+  LayoutDecoder* dec;
   Scheduler sched;
   std::map<int64_t, std::unique_ptr<Outcome>> out;
-  Harness(const Model& m, const Layout& L, int slots_per_replica, const SchedulerOptions& so)
-      : cluster(m.src, m.config, opts(slots_per_replica), L), dec(make_layout_decoder(cluster)), sched(*dec, so) {}
+  Harness(const Model& m, const Layout& L, int slots_per_replica, const SchedulerOptions& so, bool channel = false)
+      : cluster(m.src, m.config, opts(slots_per_replica), L),
+        threads(channel ? nullptr : make_layout_decoder(cluster)),
+        chan(channel ? std::make_unique<ChannelFacade>(cluster) : nullptr),
+        dec(channel ? chan->dec.get() : threads.get()),
+        sched(*dec, so) {}
   int64_t submit(std::vector<int32_t> prompt, int max_tokens) {
     Request r;
     r.prompt = std::move(prompt);
@@ -173,11 +212,12 @@ TEST_P(LayoutScheduler, GreedyTokensEqualGenerateOnTheSameLayout) {
   for (size_t i = 0; i < ps.size(); ++i)
     expect_single_rank_or_near_tie(m, ps[i], ref[i].tokens, max_new,
                                    variant + " " + name(L) + " generate request " + std::to_string(i));
-  for (int draft : {0, 3}) {
-    SCOPED_TRACE(variant + " " + name(L) + " draft " + std::to_string(draft));
+  // Rank threads without and with drafts; then drafts over a command channel (the mpirun form of serve).
+  for (const auto& [draft, channel] : {std::pair{0, false}, std::pair{3, false}, std::pair{3, true}}) {
+    SCOPED_TRACE(variant + " " + name(L) + " draft " + std::to_string(draft) + (channel ? " channel" : " threads"));
     SchedulerOptions so;
     so.draft_tokens = draft;
-    Harness h(m, L, 2, so);  // 2 slots per replica: fewer than the requests, which wait
+    Harness h(m, L, 2, so, channel);  // 2 slots per replica: fewer than the requests, which wait
     EXPECT_EQ(h.dec->max_slots(), 2 * L.dp);
     std::vector<int64_t> ids;
     int most_running = 0;
@@ -278,23 +318,34 @@ TEST(LayoutDecoder, ErrorsLeaveItUsable) {
   const Layout L{2, 2, 1};
   const std::vector<int32_t> pa = {5, 17, 200, 3};
   const auto ra = generate_on(m, L, {pa}, 1, true)[0];
-  LocalCluster cluster(m.src, m.config, opts(1), L);
-  auto dec = make_layout_decoder(cluster);
-  const int a = dec->admit(0), b = dec->admit(0);
-  EXPECT_EQ(b, 1);
-  expect_error([&] { dec->admit(0); }, "taken");
-  expect_error([&] { dec->step(std::vector<int>{7}, 1, std::vector<int32_t>{1}); }, "outside");
-  expect_error([&] { dec->step(std::vector<int>{a}, 2, std::vector<int32_t>{1}); }, "tokens");
-  const int32_t bad = static_cast<int32_t>(m.config.vocab_size);
-  expect_error([&] { dec->step(std::vector<int>{a, b}, 1, std::vector<int32_t>{1, bad}); }, "token id");
-  expect_error([&] { dec->step(std::vector<int>{b}, 1, std::vector<int32_t>{-1}); }, "token id");
-  dec->release(b);
-  expect_error([&] { dec->release(b); }, "not admitted");
-  expect_error([&] { dec->step(std::vector<int>{b}, 1, std::vector<int32_t>{1}); }, "not admitted");
-  std::vector<float> la = dec->step(std::vector<int>{a}, 4, pa);
-  dec->commit(std::vector<int>{a}, 4);
-  EXPECT_TRUE(bit_equal(la, ra.logits.data(), ra.logits.size())) << "after the errors";
-  EXPECT_EQ(dec->admit(0), 1);
+  for (bool channel : {false, true}) {
+    SCOPED_TRACE(channel ? "command channel" : "rank threads");
+    LocalCluster cluster(m.src, m.config, opts(1), L);
+    std::unique_ptr<LayoutDecoder> threads = channel ? nullptr : make_layout_decoder(cluster);
+    std::unique_ptr<ChannelFacade> chan = channel ? std::make_unique<ChannelFacade>(cluster) : nullptr;
+    LayoutDecoder* dec = channel ? chan->dec.get() : threads.get();
+    const int a = dec->admit(0), b = dec->admit(0);
+    EXPECT_EQ(b, 1);
+    expect_error([&] { dec->admit(0); }, "taken");
+    expect_error([&] { dec->step(std::vector<int>{7}, 1, std::vector<int32_t>{1}); }, "outside");
+    expect_error([&] { dec->step(std::vector<int>{a}, 2, std::vector<int32_t>{1}); }, "tokens");
+    const int32_t bad = static_cast<int32_t>(m.config.vocab_size);
+    // Rank errors: raised by the ranks (every rank together), carried back as the lowest rank's own message.
+    expect_error([&] { dec->step(std::vector<int>{a, b}, 1, std::vector<int32_t>{1, bad}); }, "token id");
+    expect_error([&] { dec->step(std::vector<int>{b}, 1, std::vector<int32_t>{-1}); }, "token id");
+    dec->release(b);
+    expect_error([&] { dec->release(b); }, "not admitted");
+    expect_error([&] { dec->step(std::vector<int>{b}, 1, std::vector<int32_t>{1}); }, "not admitted");
+    std::vector<float> la = dec->step(std::vector<int>{a}, 4, pa);
+    dec->commit(std::vector<int>{a}, 4);
+    EXPECT_TRUE(bit_equal(la, ra.logits.data(), ra.logits.size())) << "after the errors";
+    EXPECT_EQ(dec->admit(0), 1);
+    if (channel) {  // every follower left its loop at Quit, after the same commands
+      const std::vector<int64_t> n = chan->finish();
+      EXPECT_GT(n[1], 10);
+      for (int w = 2; w < L.world(); ++w) EXPECT_EQ(n[w], n[1]) << "follower " << w;
+    }
+  }
 }
 
 // The Scheduler on a facade refuses a bad request and keeps serving the others with generate()'s tokens; it refuses
@@ -363,4 +414,78 @@ TEST(LayoutDecoder, SchedulerRefusesABadRequestAndKeepsServing) {
   expect_error([&] { Scheduler s(one_rank); }, "LayoutDecoder");
 }
 
+// The command and reply encodings: every field survives the round trip; a truncated, padded or malformed message is
+// an Error naming what is wrong.
+TEST(RankCommand, BytesRoundTripAndMalformedMessagesAreRefused) {
+  Rng rng(11);
+  RankCommand c(RankCommand::Op::StepSample);
+  c.replica = 1;
+  c.slot = 3;
+  c.q = 4;
+  c.reserve = int64_t{1} << 40;
+  c.slots = {{2, 0}, {}, {1}};
+  for (const auto& s : c.slots) {
+    c.tokens.emplace_back();
+    c.specs.emplace_back();
+    for (size_t i = 0; i < s.size() * 4; ++i) {
+      c.tokens.back().push_back(static_cast<int32_t>(rng.uniform() * 1000));
+      ops::SampleSpec sp;
+      sp.temperature = static_cast<float>(rng.uniform());
+      sp.draft = static_cast<int32_t>(rng.uniform() * 100) - 1;
+      sp.u_accept = rng.uniform();
+      sp.u_draw = rng.uniform();
+      c.specs.back().push_back(sp);
+    }
+  }
+  c.counts = {{4, 1}, {}, {2}};
+  const std::vector<char> bytes = encode(c);
+  const RankCommand d = decode_command(bytes);
+  EXPECT_EQ(d.op, c.op);
+  EXPECT_EQ(d.replica, c.replica);
+  EXPECT_EQ(d.slot, c.slot);
+  EXPECT_EQ(d.q, c.q);
+  EXPECT_EQ(d.reserve, c.reserve);
+  EXPECT_EQ(d.slots, c.slots);
+  EXPECT_EQ(d.tokens, c.tokens);
+  EXPECT_EQ(d.counts, c.counts);
+  ASSERT_EQ(d.specs.size(), c.specs.size());
+  for (size_t p = 0; p < c.specs.size(); ++p) {
+    ASSERT_EQ(d.specs[p].size(), c.specs[p].size());
+    for (size_t i = 0; i < c.specs[p].size(); ++i) {
+      EXPECT_EQ(d.specs[p][i].temperature, c.specs[p][i].temperature);
+      EXPECT_EQ(d.specs[p][i].draft, c.specs[p][i].draft);
+      EXPECT_EQ(d.specs[p][i].u_accept, c.specs[p][i].u_accept);
+      EXPECT_EQ(d.specs[p][i].u_draw, c.specs[p][i].u_draw);
+    }
+  }
+  RankReply r = RankReply::failure(RankReply::Status::PeerRejected, "step: aborted");
+  r.value = -7;
+  r.info = {1, 2, 3};
+  r.logits = {0.5f, -1.25f};
+  r.samples = {ops::SampleResult{17, 1, -0.5f}};
+  const RankReply e = decode_reply(encode(r));
+  EXPECT_EQ(e.status, r.status);
+  EXPECT_EQ(e.message, r.message);
+  EXPECT_EQ(e.value, r.value);
+  EXPECT_EQ(e.info, r.info);
+  EXPECT_EQ(e.logits, r.logits);
+  ASSERT_EQ(e.samples.size(), 1u);
+  EXPECT_EQ(e.samples[0].token, 17);
+  EXPECT_EQ(e.samples[0].logprob, -0.5f);
+
+  expect_error([&] { decode_command(std::span<const char>(bytes.data(), 20)); }, "truncated");
+  expect_error([&] { decode_command(std::span<const char>(bytes.data(), bytes.size() - 1)); }, "rank command");
+  std::vector<char> longer = bytes;
+  longer.push_back(0);
+  expect_error([&] { decode_command(longer); }, "left over");
+  std::vector<char> bad_op = bytes;
+  bad_op[0] = 99;
+  expect_error([&] { decode_command(bad_op); }, "unknown op");
+  std::vector<char> bad_len = bytes;
+  const int64_t huge = int64_t{1} << 50;  // the length of c.slots, after op, replica, slot, q and reserve
+  std::memcpy(bad_len.data() + 4 * 4 + 8, &huge, sizeof(huge));
+  expect_error([&] { decode_command(bad_len); }, "bad length");
+}
+
 }  // namespace
+

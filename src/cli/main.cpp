@@ -21,6 +21,7 @@
 #include "runtime/cluster.h"
 #include "runtime/generate.h"
 #include "runtime/layout_decoder.h"
+#include "runtime/rank_channel.h"
 #include "cli/serve.h"
 #ifdef K3_MPI
 #include "comm/mpi.h"
@@ -98,6 +99,28 @@ GpuRankOptions gpu_rank_options(const CacheOptions& c, const StepOptions& steps)
   go.steps = steps;
   return go;
 }
+#endif
+
+#ifdef K3_NCCL
+// This process's rank of an mpirun job, on its GPU: the NCCL groups, the CUDA context, the rank's weights and
+// a Decoder over them (CUDA graphs: NCCL collectives can be captured). Needs a running MpiRuntime.
+struct NcclRank {
+  RankGroups groups;
+  ops::cuda::ScopedContext ctx;
+  GpuRankOptions o;
+  GpuRank rank;
+  GpuDecoder decoder;
+  NcclRank(const TensorSource& src, const ModelConfig& config, const GpuRankOptions& go, const Layout& L, int w)
+      : groups(make_nccl_groups(L)),
+        o(sharded(go, L, w, &groups)),
+        rank(config, load_gpu_weights(src, config, o.shard), o, ctx.get()),
+        decoder(rank, config, o, L, w, *groups.world, /*graphs=*/true) {}
+  static GpuRankOptions sharded(GpuRankOptions o, const Layout& L, int w, RankGroups* g) {
+    o.shard = ShardSpec{L.tp, L.tp_rank(w), L.world(), w, o.steps.shared == SharedExperts::Tp};
+    o.groups = g;
+    return o;
+  }
+};
 #endif
 
 std::string join(const std::vector<int32_t>& v, const char* sep) {
@@ -209,7 +232,8 @@ int main(int argc, char** argv) {
   srv->add_option("--dp", slayout.dp, "data-parallel replicas (--max-slots each; requests go to the freest)")
       ->capture_default_str();
   srv->add_option("--dcp", slayout.dcp, "decode context parallel size inside the TP group")->capture_default_str();
-  srv->add_option("--comm", scomm, "collectives: local (ranks as threads; the only one serve supports)")
+  srv->add_option("--comm", scomm, "collectives: local (ranks as threads) | mpi (a process per rank under mpirun, "
+                  "rank 0 serving) | nccl (--device gpu, a process per GPU under mpirun)")
       ->capture_default_str();
   srv->add_option("--served-model-name", so.model_name, "the model id in responses (default: the directory name)");
 
@@ -304,14 +328,8 @@ int main(int argc, char** argv) {
           const int w = mpi.world_rank();
           K3_CHECK(mpi.world_size() == layout.world(), "--comm nccl: {} processes for a world of {} (--tp {} x --dp {})",
                    mpi.world_size(), layout.world(), layout.tp, layout.dp);
-          RankGroups groups = make_nccl_groups(layout);
-          ops::cuda::ScopedContext ctx;
-          GpuRankOptions o = go;
-          o.shard = ShardSpec{layout.tp, layout.tp_rank(w), layout.world(), w, eopts.shared == SharedExperts::Tp};
-          o.groups = &groups;
-          GpuRank rank(config, load_gpu_weights(*src, config, o.shard), o, ctx.get());
-          GpuDecoder d(rank, config, o, layout, w, *groups.world, /*graphs=*/true);
-          results = generate(d, ids, max_new, sp, !dump.empty());
+          NcclRank mine(*src, config, go, layout, w);
+          results = generate(mine.decoder, ids, max_new, sp, !dump.empty());
           printer = w == 0;
 #else
           fail("--comm nccl: this build has no NCCL backend (needs NCCL and Open MPI; see CMake option K3_NCCL)");
@@ -369,8 +387,9 @@ int main(int argc, char** argv) {
       K3_CHECK(sstep == "auto" || sstep == "stock" || sstep == "hybrid", "--step {}: expected auto | stock | hybrid",
                sstep);
       K3_CHECK(sdevice == "cpu" || sdevice == "gpu", "--device {}: expected cpu | gpu", sdevice);
-      K3_CHECK(scomm == "local", "serve --comm {}: serve runs every rank as a thread of the server process (--comm "
-               "local); a process per rank (mpi / nccl, rank 0 broadcasting the step plan) is not implemented", scomm);
+      K3_CHECK(scomm == "local" || scomm == "mpi" || scomm == "nccl", "--comm {}: expected local | mpi | nccl", scomm);
+      K3_CHECK(scomm != "nccl" || sdevice == "gpu", "--comm nccl: with --device gpu (the CPU's is --comm mpi)");
+      K3_CHECK(scomm != "mpi" || sdevice == "cpu", "--comm mpi: with --device cpu (the GPU's is --comm nccl)");
       slayout.validate();
       const StepKind kind = sstep == "stock" ? StepKind::Stock : sstep == "hybrid" ? StepKind::Hybrid : StepKind::Auto;
       const SharedExperts shared = parse_shared_experts(sshared, kind);
@@ -382,6 +401,46 @@ int main(int argc, char** argv) {
         so.model_name = sm.dir.empty() ? "embedded-" + sm.preset + "-" + sm.variant
                                        : std::filesystem::path(sm.dir).lexically_normal().filename().string();
       if (so.model_name.empty()) so.model_name = sm.dir;
+      if (scomm != "local") {
+#ifdef K3_MPI
+        // A process per rank: rank 0 serves through a LayoutDecoder whose commands reach the other processes
+        // on a channel of their own (runtime/rank_channel.h); they follow until rank 0's server stops.
+        // Blocked before MPI starts its threads: on rank 0 serve()'s signal thread drains on SIGINT / SIGTERM;
+        // the other ranks leave at rank 0's Quit (mpirun ends the job on a signal of its own).
+        block_stop_signals();
+        MpiRuntime mpi(&argc, &argv);
+        const int w = mpi.world_rank();
+        K3_CHECK(mpi.world_size() == slayout.world(), "serve --comm {}: {} processes for a world of {} (--tp {} x "
+                 "--dp {})", scomm, mpi.world_size(), slayout.world(), slayout.tp, slayout.dp);
+        RankGroups channel = make_mpi_groups(slayout);
+        auto serve_rank = [&](Decoder& mine) {
+          if (w != 0) {
+            follow_commands(mine, *channel.world);
+            return 0;
+          }
+          LayoutDecoder facade(std::make_unique<ChannelRanks>(mine, *channel.world));
+          return serve(facade, std::move(tok), sched_opts, so);
+        };
+        if (sdevice == "cpu") {
+          EngineOptions eo(scache);
+          eo.step = kind;
+          eo.shared = shared;
+          Engine engine(src, config, eo, slayout, w, make_mpi_groups(slayout));
+          EngineDecoder mine(engine);
+          return serve_rank(mine);
+        }
+#ifdef K3_NCCL
+        K3_CHECK(cuda_device_available(), "--device gpu: no usable CUDA device on this machine");
+        NcclRank mine(*src, config, gpu_rank_options(scache, StepOptions{kind, EngineOptions{}.moe_capacity, shared}),
+                      slayout, w);
+        return serve_rank(mine.decoder);
+#else
+        fail("--comm nccl: this build has no NCCL backend (needs CUDA, NCCL and Open MPI)");
+#endif
+#else
+        fail("serve --comm {}: this build has no MPI (install libopenmpi-dev and rebuild)", scomm);
+#endif
+      }
       if (sdevice == "gpu") {
 #ifdef K3_CUDA
         K3_CHECK(cuda_device_available(), "--device gpu: no usable CUDA device on this machine");

@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -642,14 +643,19 @@ std::string metrics_text(Server& s) {
 
 }  // namespace
 
-int serve(Decoder& decoder, std::optional<Tokenizer> tokenizer, const SchedulerOptions& sched_opts,
-          const ServeOptions& options) {
-  // SIGINT / SIGTERM go to one thread (sigwait); every other thread inherits the mask.
+sigset_t block_stop_signals() {
   sigset_t sigs;
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGINT);
   sigaddset(&sigs, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  return sigs;
+}
+
+int serve(Decoder& decoder, std::optional<Tokenizer> tokenizer, const SchedulerOptions& sched_opts,
+          const ServeOptions& options) {
+  // SIGINT / SIGTERM go to one thread (sigwait); every other thread inherits the mask.
+  const sigset_t sigs = block_stop_signals();
   signal(SIGPIPE, SIG_IGN);
 
   Scheduler sched(decoder, sched_opts);
@@ -736,7 +742,6 @@ int serve(Decoder& decoder, std::optional<Tokenizer> tokenizer, const SchedulerO
     K3_CHECK(http.bind_to_port(options.host, port), "serve: cannot bind {}:{} (in use?)", options.host, port);
   }
 
-  std::thread runner([&] { sched.run(); });
   std::atomic<bool> finished{false};
   std::thread waiter([&] {
     int sig = 0;
@@ -749,20 +754,35 @@ int serve(Decoder& decoder, std::optional<Tokenizer> tokenizer, const SchedulerO
     // listening (httplib's stop cuts the streams still being written).
     for (;;) {
       const SchedulerMetrics m = sched.metrics();
-      if (m.running == 0 && m.queue_depth == 0 && s.in_flight == 0) break;
+      if (finished || (m.running == 0 && m.queue_depth == 0 && s.in_flight == 0)) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     http.stop();
   });
   const Layout& L = decoder.layout();
-  std::cerr << fmt::format("k3decode serve: listening on http://{}:{} (model {}, {} slots, tokenizer {}, chat {}, "
-                           "layout tp {} dp {} dcp {})\n",
-                           options.host, port, options.model_name, decoder.max_slots(), s.tok ? "yes" : "no",
+  std::cerr << fmt::format("k3decode serve: listening on http://{}:{} (pid {}, model {}, {} slots, tokenizer {}, "
+                           "chat {}, layout tp {} dp {} dcp {})\n",
+                           options.host, port, getpid(), options.model_name, decoder.max_slots(), s.tok ? "yes" : "no",
                            s.tok && s.has_chat() ? "yes" : "no", L.tp, L.dp, L.dcp)
             << std::flush;
-  const bool ok = http.listen_after_bind();
-  sched.stop();  // drains whatever is still queued
-  runner.join();
+  bool ok = false;
+  std::thread listener([&] {
+    ok = http.listen_after_bind();
+    sched.stop();  // drains whatever is still queued
+  });
+  // The scheduler runs on the caller's thread: every Decoder call comes from it (an mpi job's command channel
+  // must be driven by the thread that initialised MPI).
+  try {
+    sched.run();
+  } catch (...) {
+    http.stop();
+    listener.join();
+    finished = true;
+    if (!draining) pthread_kill(waiter.native_handle(), SIGTERM);
+    waiter.join();
+    throw;
+  }
+  listener.join();
   finished = true;
   if (!draining) pthread_kill(waiter.native_handle(), SIGTERM);
   waiter.join();

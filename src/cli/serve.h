@@ -1,6 +1,6 @@
 // `k3decode serve`: an OpenAI-compatible HTTP server over the Scheduler (runtime/scheduler.h).
 //
-// One scheduler thread drives the Decoder; HTTP handler threads (cpp-httplib's
+// The calling thread runs the scheduler, which drives the Decoder; HTTP handler threads (cpp-httplib's
 // pool) parse a request, submit it and wait for its tokens. Endpoints:
 //   POST /v1/completions        prompt: text, token ids, or a list of either (one choice each)
 //   POST /v1/chat/completions   when the tokenizer has Kimi's role markers
@@ -11,6 +11,8 @@
 // get a 4xx with {"error": {"message", "type", "param", "code"}}. SIGINT /
 // SIGTERM: stop accepting, finish the requests in flight, return 0.
 #pragma once
+
+#include <signal.h>
 
 #include <optional>
 #include <string>
@@ -26,6 +28,10 @@ struct ServeOptions {
   std::string model_name = "k3";
   int http_threads = 0;        // 0: enough for every slot and queued request
 };
+
+// Blocks SIGINT and SIGTERM in the calling thread (and the threads it starts from now on), so that serve()'s
+// signal thread is the one that gets them: call it before a library starts threads of its own (MPI).
+sigset_t block_stop_signals();
 
 // Serves until SIGINT / SIGTERM; returns the exit code.
 int serve(Decoder& decoder, std::optional<Tokenizer> tokenizer, const SchedulerOptions& sched,
