@@ -98,20 +98,25 @@ TEST(OpsShortConv, MatchesReference) {
         auto w = rand_f32(rng, C * K, 0.6);
         auto state = rand_act(rng, C * (K - 1), 1.5);
         ConvRef ref = ref_conv(x, w, state, T, C, K);
-        std::vector<float> y(T * C), hist(T * C * (K - 1) + 1);
-        k3::ops::short_conv_silu(x.data(), w.data(), state.data(), y.data(), hist.data(), T, C, K);
+        const std::vector<float> state0 = state;
+        std::vector<float> y(T * C);
+        k3::ops::short_conv_silu(x.data(), w.data(), state.data(), y.data(), T, C, K);
         expect_close(y.data(), ref.y, static_cast<size_t>(C), kBf16Tol, true, what + " y");
-        // The state holds past inputs: exact copies.
+        // The state holds past inputs: exact copies, after the chunk and after each token of it fed alone.
         expect_exact(state, ref.state, what + " state");
-        hist.pop_back();
-        expect_exact(hist, ref.hist, what + " state_hist");
+        std::vector<float> s1 = state0, y1(C);
+        for (int64_t t = 0; t < T; ++t) {
+          k3::ops::short_conv_silu(x.data() + t * C, w.data(), s1.data(), y1.data(), 1, C, K);
+          expect_exact(s1, std::vector<double>(ref.hist.begin() + t * C * (K - 1),
+                                               ref.hist.begin() + (t + 1) * C * (K - 1)),
+                       what + " state after token " + std::to_string(t));
+        }
       }
     }
   }
 }
 
-// A chunk of T tokens equals T single-token calls chaining the state, bit for bit, and
-// state_hist[t] is the state after token t.
+// A chunk of T tokens equals T single-token calls chaining the state, bit for bit.
 TEST(OpsShortConv, ChunkEqualsTokenByToken) {
   Rng rng(602);
   const int K = 4;
@@ -120,21 +125,15 @@ TEST(OpsShortConv, ChunkEqualsTokenByToken) {
     auto x = rand_act(rng, T * C);
     auto w = rand_f32(rng, C * K, 0.6);
     const auto state0 = rand_act(rng, C * (K - 1));
-    std::vector<float> state = state0, y(T * C), hist(T * C * (K - 1));
-    k3::ops::short_conv_silu(x.data(), w.data(), state.data(), y.data(), hist.data(), T, C, K);
+    std::vector<float> state = state0, y(T * C);
+    k3::ops::short_conv_silu(x.data(), w.data(), state.data(), y.data(), T, C, K);
 
     std::vector<float> s1 = state0, y1(C);
     for (int64_t t = 0; t < T; ++t) {
-      k3::ops::short_conv_silu(x.data() + t * C, w.data(), s1.data(), y1.data(), nullptr, 1, C, K);
+      k3::ops::short_conv_silu(x.data() + t * C, w.data(), s1.data(), y1.data(), 1, C, K);
       for (int64_t c = 0; c < C; ++c) ASSERT_EQ(y[t * C + c], y1[c]) << "t " << t << " c " << c;
-      for (int64_t i = 0; i < C * (K - 1); ++i) ASSERT_EQ(hist[t * C * (K - 1) + i], s1[i]) << "t " << t;
     }
     EXPECT_EQ(state, s1);
-    // Without a history buffer the outputs and the state are the same.
-    std::vector<float> s2 = state0, y2(T * C);
-    k3::ops::short_conv_silu(x.data(), w.data(), s2.data(), y2.data(), nullptr, T, C, K);
-    EXPECT_EQ(y2, y);
-    EXPECT_EQ(s2, state);
   }
 }
 
@@ -150,7 +149,7 @@ TEST(OpsShortConv, AdvanceEqualsTheConvState) {
     for (int64_t n = 0; n <= T; ++n) {
       SCOPED_TRACE("K " + std::to_string(K) + " n " + std::to_string(n));
       std::vector<float> conv = state0, y(static_cast<size_t>(std::max<int64_t>(n, 1) * C));
-      k3::ops::short_conv_silu(x.data(), w.data(), conv.data(), y.data(), nullptr, n, C, K);
+      k3::ops::short_conv_silu(x.data(), w.data(), conv.data(), y.data(), n, C, K);
       std::vector<float> adv = state0;
       k3::ops::short_conv_advance(x.data(), adv.data(), n, C, K);
       EXPECT_EQ(adv, conv);
@@ -323,41 +322,43 @@ TEST(OpsKdaRecurrence, MatchesFloat64DeltaRule) {
                                std::to_string(d.dv) + " T " + std::to_string(T);
       KdaInputs in = make_kda(rng, T, d.H, d.dk, d.dv);
       KdaRef ref = ref_kda(in, T, d.H, d.dk, d.dv);
-      std::vector<float> S = in.S0, o(T * d.H * d.dv), hist(T * d.H * d.dv * d.dk);
+      std::vector<float> S = in.S0, o(T * d.H * d.dv);
       k3::ops::kda_recurrence(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), S.data(), o.data(),
-                              hist.data(), T, d.H, d.dk, d.dv);
+                              T, d.H, d.dk, d.dv);
       expect_close(o.data(), ref.o, static_cast<size_t>(d.dv), kF32Tol, false, what + " o");
       expect_close(S.data(), ref.S, static_cast<size_t>(d.dv) * d.dk, kF32Tol, false, what + " S");
-      expect_close(hist.data(), ref.S_hist, static_cast<size_t>(d.dv) * d.dk, kF32Tol, false, what + " S_hist");
+      // The state after each token, the tokens fed one at a time.
+      const int64_t kw = d.H * d.dk, vw = d.H * d.dv, sw = static_cast<int64_t>(d.H) * d.dv * d.dk;
+      std::vector<float> S1 = in.S0, o1(vw);
+      for (int64_t t = 0; t < T; ++t) {
+        k3::ops::kda_recurrence(in.q.data() + t * kw, in.k.data() + t * kw, in.v.data() + t * vw,
+                                in.g.data() + t * kw, in.beta.data() + t * d.H, S1.data(), o1.data(), 1, d.H, d.dk,
+                                d.dv);
+        expect_close(S1.data(), std::vector<double>(ref.S_hist.begin() + t * sw, ref.S_hist.begin() + (t + 1) * sw),
+                     static_cast<size_t>(d.dv) * d.dk, kF32Tol, false, what + " S after token " + std::to_string(t));
+      }
     }
   }
 }
 
-// T tokens at once equal T single-token calls chaining the state (bit for bit); S_hist[t]
-// equals the chained state after token t; leaving S_hist null changes nothing else.
+// T tokens at once equal T single-token calls chaining the state (bit for bit).
 TEST(OpsKdaRecurrence, ChunkEqualsTokenByToken) {
   Rng rng(802);
   const KdaDims dims[] = {{3, 16, 8}, {2, 128, 128}};
   for (const auto& d : dims) {
     const int64_t T = 17;
-    const int64_t kw = d.H * d.dk, vw = d.H * d.dv, sw = static_cast<int64_t>(d.H) * d.dv * d.dk;
+    const int64_t kw = d.H * d.dk, vw = d.H * d.dv;
     KdaInputs in = make_kda(rng, T, d.H, d.dk, d.dv);
-    std::vector<float> S = in.S0, o(T * vw), hist(T * sw);
+    std::vector<float> S = in.S0, o(T * vw);
     k3::ops::kda_recurrence(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), S.data(), o.data(),
-                            hist.data(), T, d.H, d.dk, d.dv);
+                            T, d.H, d.dk, d.dv);
     std::vector<float> S1 = in.S0, o1(vw);
     for (int64_t t = 0; t < T; ++t) {
       k3::ops::kda_recurrence(in.q.data() + t * kw, in.k.data() + t * kw, in.v.data() + t * vw, in.g.data() + t * kw,
-                              in.beta.data() + t * d.H, S1.data(), o1.data(), nullptr, 1, d.H, d.dk, d.dv);
+                              in.beta.data() + t * d.H, S1.data(), o1.data(), 1, d.H, d.dk, d.dv);
       for (int64_t i = 0; i < vw; ++i) ASSERT_EQ(o[t * vw + i], o1[i]) << "t " << t << " i " << i;
-      for (int64_t i = 0; i < sw; ++i) ASSERT_EQ(hist[t * sw + i], S1[i]) << "t " << t << " i " << i;
     }
     EXPECT_EQ(S, S1);
-    std::vector<float> S2 = in.S0, o2(T * vw);
-    k3::ops::kda_recurrence(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), S2.data(), o2.data(),
-                            nullptr, T, d.H, d.dk, d.dv);
-    EXPECT_EQ(o2, o);
-    EXPECT_EQ(S2, S);
   }
 }
 
@@ -374,7 +375,7 @@ TEST(OpsKdaRecurrence, ReplayEqualsTheRecurrenceBitForBit) {
       SCOPED_TRACE("H " + std::to_string(d.H) + " dk " + std::to_string(d.dk) + " n " + std::to_string(n));
       std::vector<float> S = in.S0, o(static_cast<size_t>(std::max<int64_t>(n, 1) * vw));
       k3::ops::kda_recurrence(in.q.data(), in.k.data(), in.v.data(), in.g.data(), in.beta.data(), S.data(), o.data(),
-                              nullptr, n, d.H, d.dk, d.dv);
+                              n, d.H, d.dk, d.dv);
       std::vector<float> R = in.S0;
       k3::ops::kda_replay(in.k.data(), in.v.data(), in.g.data(), in.beta.data(), R.data(), n, d.H, d.dk, d.dv);
       EXPECT_EQ(R, S);

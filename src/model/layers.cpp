@@ -50,14 +50,14 @@ void kda_attention(const ModelConfig& c, const KdaWeights& w, int layer, const f
     for (int j = 0; j < 3; ++j) {
       std::copy(raw[j].begin() + r0 * C, raw[j].begin() + (r0 + q) * C, st.conv_x[j]);
       std::copy(st.conv[j], st.conv[j] + C * (K - 1), conv_state.begin());
-      ops::short_conv_silu(raw[j].data() + r0 * C, conv_w[j], conv_state.data(), act[j].data() + r0 * C, nullptr, q,
+      ops::short_conv_silu(raw[j].data() + r0 * C, conv_w[j], conv_state.data(), act[j].data() + r0 * C, q,
                            C, K);
     }
     ops::l2norm_heads(act[0].data() + r0 * C, q, H, d, 1.0f / std::sqrt(static_cast<float>(d)));
     ops::l2norm_heads(act[1].data() + r0 * C, q, H, d, 1.0f);
     std::copy(st.S, st.S + C * d, st.S_next);
     ops::kda_recurrence(act[0].data() + r0 * C, act[1].data() + r0 * C, act[2].data() + r0 * C, g.data() + r0 * C,
-                        beta.data() + r0 * H, st.S_next, o.data() + r0 * C, nullptr, q, H, d, d);
+                        beta.data() + r0 * H, st.S_next, o.data() + r0 * C, q, H, d, d);
     std::copy(act[1].begin() + r0 * C, act[1].begin() + (r0 + q) * C, st.kept_k);
     std::copy(act[2].begin() + r0 * C, act[2].begin() + (r0 + q) * C, st.kept_v);
     std::copy(g.begin() + r0 * C, g.begin() + (r0 + q) * C, st.kept_g);

@@ -51,7 +51,7 @@ namespace {
 // The recurrence of kda_recurrence / kda_replay: one code path, so that a replay of the
 // kept inputs yields bit for bit the state of the step (q, o null: no output).
 void recur(const float* q, const float* k, const float* v, const float* g, const float* beta, float* S, float* o,
-           float* S_hist, int64_t T, int H, int dk, int dv) {
+           int64_t T, int H, int dk, int dv) {
   const int64_t state = static_cast<int64_t>(dv) * dk;
   std::vector<float> alpha(static_cast<size_t>(dk));
   for (int h = 0; h < H; ++h) {
@@ -78,7 +78,6 @@ void recur(const float* q, const float* k, const float* v, const float* g, const
           o[vb + i] = oi;
         }
       }
-      if (S_hist != nullptr) std::memcpy(S_hist + (t * H + h) * state, Sh, sizeof(float) * state);
     }
   }
 }
@@ -86,16 +85,16 @@ void recur(const float* q, const float* k, const float* v, const float* g, const
 }  // namespace
 
 void kda_recurrence(const float* q, const float* k, const float* v, const float* g, const float* beta, float* S,
-                    float* o, float* S_hist, int64_t T, int H, int dk, int dv) {
+                    float* o, int64_t T, int H, int dk, int dv) {
   K3_CHECK(T >= 0 && H > 0 && dk > 0 && dv > 0, "kda_recurrence: bad shape T {} H {} dk {} dv {}", T, H, dk, dv);
   K3_CHECK(q != nullptr && o != nullptr, "kda_recurrence: q and o are required");
-  recur(q, k, v, g, beta, S, o, S_hist, T, H, dk, dv);
+  recur(q, k, v, g, beta, S, o, T, H, dk, dv);
 }
 
 void kda_replay(const float* k, const float* v, const float* g, const float* beta, float* S, int64_t T, int H, int dk,
                 int dv) {
   K3_CHECK(T >= 0 && H > 0 && dk > 0 && dv > 0, "kda_replay: bad shape T {} H {} dk {} dv {}", T, H, dk, dv);
-  recur(nullptr, k, v, g, beta, S, nullptr, nullptr, T, H, dk, dv);
+  recur(nullptr, k, v, g, beta, S, nullptr, T, H, dk, dv);
 }
 
 void kda_gated_norm(const float* o, const float* gate, const float* o_norm_w, float eps, float* out, int64_t T, int H,

@@ -27,9 +27,9 @@ void kda_beta(const float* b, float* beta, int64_t T, int H);
 void l2norm_heads(float* x, int64_t T, int H, int d, float scale);
 
 // q, k, g [T, H * dk]; v [T, H * dv]; beta [T, H]; S [H, dv, dk] in/out;
-// o [T, H * dv] FP32; S_hist [T, H, dv, dk] or null: the state after each token.
+// o [T, H * dv] FP32.
 void kda_recurrence(const float* q, const float* k, const float* v, const float* g, const float* beta, float* S,
-                    float* o, float* S_hist, int64_t T, int H, int dk, int dv);
+                    float* o, int64_t T, int H, int dk, int dv);
 
 // The state update of kda_recurrence alone (no q, no o), T tokens of the kept inputs k, g [T, H * dk],
 // v [T, H * dv], beta [T, H]: the same FP32 operations in the same order, so S ends bit-identical to

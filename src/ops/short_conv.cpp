@@ -1,4 +1,4 @@
-// CPU reference of KDA's causal short convolution + SiLU (optional per-token history) and of the
+// CPU reference of KDA's causal short convolution + SiLU and of the
 // commit's state advance (ops/short_conv.h).
 #include "ops/short_conv.h"
 
@@ -10,8 +10,7 @@
 
 namespace k3::ops {
 
-void short_conv_silu(const float* x, const float* w, float* state, float* y, float* state_hist, int64_t T, int64_t C,
-                     int K) {
+void short_conv_silu(const float* x, const float* w, float* state, float* y, int64_t T, int64_t C, int K) {
   K3_CHECK(T >= 0 && C > 0 && K >= 1, "short_conv_silu: bad shape T {} C {} K {}", T, C, K);
   const int S = K - 1;  // state length per channel
   std::vector<float> win(static_cast<size_t>(K));
@@ -25,10 +24,6 @@ void short_conv_silu(const float* x, const float* w, float* state, float* y, flo
       for (int j = 0; j < K; ++j) acc += wc[j] * win[j];
       y[t * C + c] = round_bf16(acc / (1.0f + std::exp(-acc)));
       for (int j = 0; j < S; ++j) win[j] = win[j + 1];
-      if (state_hist != nullptr) {
-        float* hc = state_hist + (t * C + c) * S;
-        for (int j = 0; j < S; ++j) hc[j] = win[j];
-      }
     }
     for (int j = 0; j < S; ++j) sc[j] = win[j];
   }

@@ -5,10 +5,9 @@
 //   y[t, c] = bf16(silu(sum_j w[c, j] * window_t(c)[j]))     (FP32)
 //   state(c) <- the last K-1 inputs after token T-1
 //
-// state_hist, when given, receives the state after each token t
-// ([T, C, K-1]). The runtime keeps no history: a verify step keeps its
-// pre-conv inputs and commit(n) advances the state by the first n of them
-// (short_conv_advance: the last K-1 of [state, x_0 .. x_{n-1}]).
+// A verify step keeps its pre-conv inputs and commit(n) advances the state
+// by the first n of them (short_conv_advance: the last K-1 of [state, x_0 ..
+// x_{n-1}]).
 #pragma once
 
 #include <cstdint>
@@ -19,8 +18,7 @@
 namespace k3::ops {
 
 // x [T, C], w [C, K] (the checkpoint's [C, 1, K]), state [C, K-1] (in/out), y [T, C].
-void short_conv_silu(const float* x, const float* w, float* state, float* y, float* state_hist, int64_t T,
-                     int64_t C, int K);
+void short_conv_silu(const float* x, const float* w, float* state, float* y, int64_t T, int64_t C, int K);
 
 // x [n, C] pre-conv inputs; state [C, K-1] <- the last K-1 of [state, x_0 .. x_{n-1}] per channel.
 void short_conv_advance(const float* x, float* state, int64_t n, int64_t C, int K);

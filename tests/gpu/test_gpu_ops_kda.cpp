@@ -91,7 +91,7 @@ TEST_P(ShortConvCuda, MatchesCpuKeepsInputsAndCommits) {
     xb.resize(static_cast<size_t>(q * C));
     std::vector<float> state(pool.begin() + slots[b] * st_f, pool.begin() + (slots[b] + 1) * st_f);
     for (int t = 0; t < q; ++t) std::copy_n(&x[(int64_t{b} * q + t) * x_ld], C, &xb[static_cast<size_t>(t * C)]);
-    ops::short_conv_silu(xb.data(), w.data(), state.data(), &y_ref[static_cast<size_t>(b * q * C)], nullptr, q, C, K);
+    ops::short_conv_silu(xb.data(), w.data(), state.data(), &y_ref[static_cast<size_t>(b * q * C)], q, C, K);
     std::copy(xb.begin(), xb.end(), kept_ref.begin() + int64_t{slots[b]} * max_q * C);
   }
   expect_close(down_bf16(d_y, y_ref.size()), y_ref, 5e-3, 0, "short_conv y");
@@ -110,7 +110,7 @@ TEST_P(ShortConvCuda, MatchesCpuKeepsInputsAndCommits) {
     for (int b = 0; b < B; ++b) {
       const int n = accepted[b];
       std::vector<float> yb(static_cast<size_t>(std::max(n, 1) * C));
-      ops::short_conv_silu(xs[b].data(), w.data(), &pool_ref[static_cast<size_t>(slots[b] * st_f)], yb.data(), nullptr,
+      ops::short_conv_silu(xs[b].data(), w.data(), &pool_ref[static_cast<size_t>(slots[b] * st_f)], yb.data(),
                            n, C, K);
     }
     expect_exact(down_f32(d_pool2, pool.size()), pool_ref, "conv state after commit");
@@ -306,7 +306,7 @@ TEST_P(KdaRecurrenceCuda, MatchesCpuKeepsInputsAndReplaysEveryAccept) {
     std::vector<float> S(pool.begin() + rd[b] * st_f, pool.begin() + (rd[b] + 1) * st_f);
     const int64_t r0 = int64_t{b} * q;
     ops::kda_recurrence(&in.q[r0 * Ck], &in.k[r0 * Ck], &in.v[r0 * Cv], &in.g[r0 * Ck], &in.beta[r0 * H], S.data(),
-                        &o_ref[r0 * Cv], nullptr, q, H, dk, dv);
+                        &o_ref[r0 * Cv], q, H, dk, dv);
     std::copy(S.begin(), S.end(), pool_ref.begin() + wr[b] * st_f);
   }
   expect_close(got.o, o_ref, 1e-4, 1e-6, "kda o");
