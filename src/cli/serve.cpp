@@ -28,6 +28,8 @@ namespace {
 
 using json = nlohmann::json;
 
+constexpr int kMaxChoices = 16;  // `n`: choices per prompt
+
 // An OpenAI-style error.
 struct HttpError {
   int status;
@@ -247,8 +249,6 @@ Request parse_common(const Server& s, const json& body, bool chat) {
     if (!v->is_boolean()) bad("ignore_eos must be a boolean", "ignore_eos");
     r.sampling.stop_at_eos = !v->get<bool>();
   }
-  if (const json* v = field(body, "n"); v && !(v->is_number_integer() && v->get<int64_t>() == 1))
-    bad("n: only 1 is supported", "n");
   if (const json* v = field(body, "stop")) {
     auto one = [&](const json& x) {
       if (x.is_string()) {
@@ -441,11 +441,21 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
   Request base = parse_common(s, body, chat);
   if (chat) base.stop.push_back({*s.im_end});  // the assistant's turn ends at <|im_end|>
   const bool stream = field(body, "stream") && body["stream"].get<bool>();
+  // n choices per prompt: choice i n + j is prompt i's with seed + j (so choice i n is the n = 1 answer).
+  int n = 1;
+  if (const json* v = field(body, "n")) {
+    if (!v->is_number_integer() || v->get<int64_t>() < 1 || v->get<int64_t>() > kMaxChoices)
+      bad(fmt::format("n must be an integer in 1..{}", kMaxChoices), "n");
+    n = static_cast<int>(v->get<int64_t>());
+  }
   std::vector<Request> reqs;
   for (auto& p : prompts) {
-    Request r = base;
-    r.prompt = std::move(p);
-    reqs.push_back(std::move(r));
+    for (int j = 0; j < n; ++j) {
+      Request r = base;
+      r.prompt = p;
+      r.sampling.seed = base.sampling.seed + static_cast<uint64_t>(j);
+      reqs.push_back(std::move(r));
+    }
   }
   auto box = std::make_shared<Inbox>();
   std::vector<int64_t> ids = submit_all(s, reqs, box);
@@ -503,7 +513,7 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
     for (size_t i = 0; i < choices.size(); ++i) {
       const Choice& c = choices[i];
       if (c.reason == FinishReason::Error) throw HttpError{500, c.error, "server_error", "", "step_failed"};
-      prompt_tokens += reqs[i].prompt.size();
+      if (i % n == 0) prompt_tokens += reqs[i].prompt.size();  // each prompt once, as OpenAI counts
       completion += c.tokens.size();
       json ch = {{"index", i}, {"token_ids", c.tokens}, {"finish_reason", finish_name(c.reason)},
                  {"logprobs", logprob_json(c.tokens, c.logprobs)}};

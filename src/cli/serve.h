@@ -2,7 +2,8 @@
 //
 // The calling thread runs the scheduler, which drives the Decoder; HTTP handler threads (cpp-httplib's
 // pool) parse a request, submit it and wait for its tokens. Endpoints:
-//   POST /v1/completions        prompt: text, token ids, or a list of either (one choice each)
+//   POST /v1/completions        prompt: text, token ids, or a list of either (`n` choices each, 1..16:
+//                               choice j samples with seed + j)
 //   POST /v1/chat/completions   when the tokenizer has Kimi's role markers
 //   GET  /v1/models, /health, /metrics (Prometheus text)
 // Every choice carries `token_ids`. `stream: true` answers with server-sent

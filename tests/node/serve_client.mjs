@@ -97,6 +97,19 @@ ok('streaming completions equal the non-streamed ones');
   const b = await small.completions.create({ model: 'x', prompt: texts[1], max_tokens: 16, temperature: 1.2, seed: 7 });
   assert.deepEqual(a.choices[0].token_ids, b.choices[0].token_ids);
   ok('logprobs; seeded sampling repeats');
+  // n choices: choice j samples with seed + j, so choice 0 is the n = 1 answer and choice 2 is seed + 2's.
+  const many = await small.completions.create({ model: 'x', prompt: texts[1], max_tokens: 16, temperature: 1.2,
+                                                seed: 7, n: 3 });
+  assert.equal(many.choices.length, 3);
+  assert.deepEqual(many.choices.map((c) => c.index), [0, 1, 2]);
+  assert.deepEqual(many.choices[0].token_ids, a.choices[0].token_ids);
+  const c9 = await small.completions.create({ model: 'x', prompt: texts[1], max_tokens: 16, temperature: 1.2, seed: 9 });
+  assert.deepEqual(many.choices[2].token_ids, c9.choices[0].token_ids);
+  assert.notDeepEqual(many.choices[0].token_ids, many.choices[1].token_ids, 'the choices must differ to bite');
+  assert.equal(many.usage.prompt_tokens, a.usage.prompt_tokens, 'the prompt counted once');
+  const greedy2 = await small.completions.create({ model: 'x', prompt: texts[0], max_tokens: 24, temperature: 0, n: 2 });
+  for (const c of greedy2.choices) assert.deepEqual(c.token_ids, refText[0]);
+  ok('n choices per prompt (seed + j each; greedy ones equal generate)');
 }
 
 // --- stop: a stop string cuts the output before it (token-level match of its encoding)
@@ -221,6 +234,9 @@ const bads = [
   [smallUrl, '/v1/completions', '{"prompt": "abc", "max_tokens": 100000}', 'max_tokens over the context'],
   [smallUrl, '/v1/completions', '{"prompt": [1, 2, 1024]}', 'token id out of range'],
   [smallUrl, '/v1/completions', '{"prompt": [1, -2]}', 'negative token id'],
+  [smallUrl, '/v1/completions', '{"prompt": [1, 2], "n": 0}', 'n < 1'],
+  [smallUrl, '/v1/completions', '{"prompt": [1, 2], "n": 17}', 'n over 16'],
+  [smallUrl, '/v1/completions', '{"prompt": [1, 2], "n": 1.5}', 'n not an integer'],
   [smallUrl, '/v1/chat/completions', '{"messages": "hi"}', 'messages of the wrong type'],
   [smallUrl, '/v1/chat/completions', '{"messages": [{"role": "wizard", "content": "x"}]}', 'unknown role'],
   [tinyUrl, '/v1/completions', '{"prompt": "text without a tokenizer"}', 'text prompt without a tokenizer'],
