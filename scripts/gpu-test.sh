@@ -4,8 +4,9 @@
 # graphed), the parallel-runtime matrix on one GPU (GpuParallel: every layout
 # as ranks-as-threads with the local GPU comm), compute-sanitizer memcheck over
 # the tiny-model run and one multi-rank layout, the nccl backend through
-# mpirun -np 1 (when built with K3_NCCL), and (with
-# --bench) the rank-slice benchmark of both variants. Logs and the bench JSON
+# mpirun -np 1 (when built with K3_NCCL), (with
+# --bench) the rank-slice benchmark of both variants, and (with --serve) the
+# serving figures (scripts/serve-bench.sh: the small preset on the GPU). Logs and the bench JSON
 # go to $OUT (or out/gpu), never into docs/. --history (implies --bench) also
 # appends the bench points to docs/perf/history.csv (scripts/perf-history.py)
 # and leaves a copy of that file in $OUT (on a lent machine only $OUT comes
@@ -15,12 +16,13 @@
 # need beside them), else builds (cmake -G Ninja, all cores).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bench=0 history=0
+bench=0 history=0 serve=0
 for a in "$@"; do
   case "$a" in
     --bench) bench=1 ;;
     --history) bench=1 history=1 ;;
-    *) echo "usage: scripts/gpu-test.sh [--bench] [--history]" >&2; exit 2 ;;
+    --serve) serve=1 ;;
+    *) echo "usage: scripts/gpu-test.sh [--bench] [--history] [--serve]" >&2; exit 2 ;;
   esac
 done
 out="${OUT:-out/gpu}"
@@ -79,5 +81,8 @@ if [ "$bench" = 1 ]; then
     python3 scripts/perf-history.py "$out/rank_slice_k3.json" "$out/rank_slice_k3.1.json" || status=1
     cp docs/perf/history.csv "$out/history.csv"
   fi
+fi
+if [ "$serve" = 1 ]; then
+  scripts/serve-bench.sh "$bin/k3decode" "$out/serve" --device gpu --preset small || status=1
 fi
 exit $status
