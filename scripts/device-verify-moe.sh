@@ -37,16 +37,16 @@ step build 240 bash -c "cmake -S . -B $bin -G Ninja -DCMAKE_BUILD_TYPE=Release >
 [ "$status" -eq 0 ] || { echo "build failed: see $out/build.log"; exit 1; }
 export LD_LIBRARY_PATH="$bin:${LD_LIBRARY_PATH:-}"
 
-step gpu_tests_moe 75 "$bin/k3_gpu_tests" --gtest_filter='CudaMoe.*'
-step gpu_tests_moe_split 50 env K3_MOE_SPLIT_LAUNCH=1 "$bin/k3_gpu_tests" \
+step gpu_tests_moe 110 "$bin/k3_gpu_tests" --gtest_filter='CudaMoe.*'
+step gpu_tests_moe_split 40 env K3_MOE_SPLIT_LAUNCH=1 "$bin/k3_gpu_tests" \
   --gtest_filter='CudaMoe.MoeExpertsMatchesCpu*:CudaMoe.MoeExpertsOddShapesAndScales'
 if command -v compute-sanitizer >/dev/null; then
-  step memcheck_moe 45 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" \
+  step memcheck_moe 40 compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" \
     --gtest_filter='CudaMoe.MoeExpertsMatchesCpuSmall'
 else
   echo "== memcheck_moe skipped: no compute-sanitizer" | tee "$out/memcheck_moe.log"
 fi
-step bench_moe 50 "$bin/k3decode" bench --ops --ops-only moe --json "$out/ops_moe.json"
+step bench_moe 40 "$bin/k3decode" bench --ops --ops-only moe --json "$out/ops_moe.json"
 
 grep -hE "^\[  (FAILED|PASSED) |tests ran" "$out"/gpu_tests_moe*.log || true
 echo "logs in $out; status $status"
