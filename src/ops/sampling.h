@@ -57,6 +57,17 @@ void sample_rows(const float* logits, int64_t rows, int64_t vocab, const SampleS
 // Those checks alone (the GPU callers run them on the host specs before uploading).
 void check_specs(const SampleSpec* spec, int64_t rows, int64_t vocab);
 
+// What a batch of specs needs beyond the argmax, for the device launcher (ops::cuda::sample_rows), which skips
+// the phases no row needs: sampled (a row with temperature > 0), top_p (a sampled row with top_p < 1), logprob
+// (a row asking for its log-probability). The default, every phase, is right for any specs.
+struct SampleNeeds {
+  bool sampled = true;
+  bool top_p = true;
+  bool logprob = true;
+};
+// The needs of these (host) specs: exactly what they ask for.
+SampleNeeds sample_needs(const SampleSpec* spec, int64_t rows);
+
 }  // namespace k3::ops
 
 namespace k3::ops::cuda {
