@@ -704,14 +704,95 @@ bool near_boundary(const float* raw, int64_t V, const ops::SampleSpec& s, double
   return near;
 }
 
-// The kernel against the CPU op: vocab 1000 / 163840 / an odd size, 1..256 rows, T in {0, 0.7, 1.3}, top_p in
-// {1, 0.9, 0.5}, no draft / a random draft / the argmax as draft, log-probs asked. Ids and accepted flags equal
-// except at boundary rows (counted, bounded); log-probs within 1e-4 of the float64 log-softmax; the kernel is
-// deterministic (two runs, equal bytes). Special rows: ties for the maximum, NaN at id 0, NaN / -inf / +inf.
+// A scratch for ops::cuda::sample_rows, zeroed as its contract asks (once, before the first call).
+DeviceBuffer sample_scratch(int64_t rows, int64_t vocab, int64_t ctas = 0) {
+  DeviceBuffer b(std::max<size_t>(ops::cuda::sample_rows_scratch_bytes(rows, vocab, ctas), 256));
+  CUDA_CHECK(cudaMemsetAsync(b.get(), 0, b.bytes(), stream()));
+  return b;
+}
+
+// The split kernel on device logits and specs; a row it leaves unwritten reads token -1.
+std::vector<ops::SampleResult> run_split(const DeviceBuffer& dl, const DeviceBuffer& ds, int64_t rows, int64_t vocab,
+                                         const DeviceBuffer& scratch, int64_t ctas = 0, ops::SampleNeeds needs = {}) {
+  DeviceBuffer dout(std::max<size_t>(rows * sizeof(ops::SampleResult), 16));
+  CUDA_CHECK(cudaMemsetAsync(dout.get(), 0xff, dout.bytes(), stream()));
+  EXPECT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(), dout.get<ops::SampleResult>(),
+                                   scratch.get(), scratch.bytes(), st(), needs, ctas),
+            0);
+  return download<ops::SampleResult>(dout, static_cast<size_t>(rows));
+}
+
+std::vector<ops::SampleResult> run_one_cta(const DeviceBuffer& dl, const DeviceBuffer& ds, int64_t rows, int64_t vocab) {
+  DeviceBuffer dout(std::max<size_t>(rows * sizeof(ops::SampleResult), 16));
+  EXPECT_EQ(ops::cuda::sample_rows_one_cta(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(),
+                                           dout.get<ops::SampleResult>(), st()),
+            0);
+  return download<ops::SampleResult>(dout, static_cast<size_t>(rows));
+}
+
+bool same_results(const std::vector<ops::SampleResult>& a, const std::vector<ops::SampleResult>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(ops::SampleResult)) == 0;
+}
+
+// log p(token) under the softmax of the raw row at temperature 1, in float64 (NaN as -inf, +inf as FLT_MAX).
+double logprob_f64(const float* row, int64_t V, int32_t token) {
+  auto cl = [](float v) { return std::isnan(v) ? -INFINITY : std::min<double>(v, FLT_MAX); };
+  double mx = -INFINITY, z = 0;
+  for (int64_t i = 0; i < V; ++i) mx = std::max(mx, cl(row[i]));
+  if (mx == -INFINITY) return -INFINITY;
+  for (int64_t i = 0; i < V; ++i) z += std::exp(cl(row[i]) - mx);
+  return cl(row[token]) - mx - std::log(z);
+}
+
+// Counts of a checked batch.
+struct Tally {
+  int rows = 0, boundary = 0, accepted = 0, rejected = 0;
+};
+
+// The split kernel's results `got` for logits [rows, V] under spec against the one-CTA kernel's (`one`: ids and
+// flags bit for bit) and the CPU op's (`cpu`: ids and flags equal except within 1e-5 of a boundary of its float64
+// sums; log-probs within rounding of the float64 log-softmax, integer z1: ~1e-6).
+void check_rows(const std::vector<float>& logits, const std::vector<ops::SampleSpec>& spec, int64_t V,
+                const std::vector<ops::SampleResult>& got, const std::vector<ops::SampleResult>& one,
+                const std::vector<ops::SampleResult>& cpu, Tally& t) {
+  ASSERT_EQ(got.size(), spec.size());
+  for (size_t r = 0; r < spec.size(); ++r) {
+    const ops::SampleSpec& s = spec[r];
+    const float* row = logits.data() + static_cast<int64_t>(r) * V;
+    SCOPED_TRACE(testing::Message() << "row " << r << " T " << s.temperature << " top_p " << s.top_p << " draft "
+                                    << s.draft << " u " << s.u_accept << " " << s.u_draw);
+    ++t.rows;
+    ASSERT_TRUE(got[r].token >= 0 && got[r].token < V) << "token " << got[r].token;
+    EXPECT_EQ(got[r].token, one[r].token) << "the one-CTA kernel's id";
+    EXPECT_EQ(got[r].accepted, one[r].accepted) << "the one-CTA kernel's flag";
+    if (s.draft >= 0) (got[r].accepted ? t.accepted : t.rejected)++;
+    if (got[r].token != cpu[r].token || got[r].accepted != cpu[r].accepted) {
+      ++t.boundary;
+      EXPECT_TRUE(near_boundary(row, V, s, 1e-5))
+          << "gpu " << got[r].token << "/" << got[r].accepted << " cpu " << cpu[r].token << "/" << cpu[r].accepted;
+    }
+    if (s.logprob) {
+      const double want = logprob_f64(row, V, got[r].token);
+      if (want == -INFINITY) {
+        EXPECT_EQ(got[r].logprob, -INFINITY);
+      } else {
+        EXPECT_NEAR(got[r].logprob, want, 1e-5 + 1e-6 * std::fabs(want));
+      }
+    } else {
+      EXPECT_EQ(got[r].logprob, 0.0f);
+    }
+  }
+}
+
+// The kernel against the CPU op and the one-CTA kernel: vocab 1000 / 4099 / 163840, 1..256 rows, T in {0, 0.7,
+// 1.3}, top_p in {1, 0.9, 0.5}, no draft / a random draft / the argmax as draft, log-probs asked. Ids and
+// accepted flags equal the one-CTA kernel's, and the CPU's except at boundary rows (counted, bounded); log-probs
+// near the float64 log-softmax; the kernel is deterministic (two runs, equal bytes). Special rows: ties for the
+// maximum, NaN at id 0, NaN / -inf / +inf.
 TEST(CudaSampling, MatchesCpuOp) {
   K3_REQUIRE_GPU();
   uint64_t seed = 11000;
-  int boundary = 0, total = 0, accepted = 0;
+  Tally t;
   for (int64_t vocab : {int64_t{1000}, int64_t{4099}, int64_t{163840}}) {
     for (int64_t rows : {int64_t{1}, int64_t{37}, int64_t{256}}) {
       SCOPED_TRACE(testing::Message() << "vocab " << vocab << " rows " << rows);
@@ -746,82 +827,73 @@ TEST(CudaSampling, MatchesCpuOp) {
       }
       std::vector<ops::SampleResult> want(spec.size());
       ops::sample_rows(logits.data(), rows, vocab, spec.data(), want.data());
-      DeviceBuffer dl = upload(logits), ds = upload(spec), dout(spec.size() * sizeof(ops::SampleResult));
-      ASSERT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(),
-                                       dout.get<ops::SampleResult>(), st()), 0);
-      const auto got = download<ops::SampleResult>(dout, spec.size());
-      ASSERT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(),
-                                       dout.get<ops::SampleResult>(), st()), 0);
-      const auto again = download<ops::SampleResult>(dout, spec.size());
-      ASSERT_EQ(std::memcmp(got.data(), again.data(), got.size() * sizeof(ops::SampleResult)), 0) << "not deterministic";
-      for (int64_t r = 0; r < rows; ++r) {
-        const ops::SampleSpec& s = spec[r];
-        SCOPED_TRACE(testing::Message() << "row " << r << " T " << s.temperature << " top_p " << s.top_p << " draft "
-                                        << s.draft);
-        ++total;
-        accepted += want[r].accepted;
-        const float* row = logits.data() + r * vocab;
-        if (got[r].token != want[r].token || got[r].accepted != want[r].accepted) {
-          ++boundary;
-          EXPECT_TRUE(near_boundary(row, vocab, s, 1e-5))
-              << "gpu " << got[r].token << "/" << got[r].accepted << " cpu " << want[r].token << "/" << want[r].accepted;
-        }
-        ASSERT_TRUE(got[r].token >= 0 && got[r].token < vocab);
-        // The log-prob of the GPU's token, from float64.
-        double mx = -INFINITY, z = 0;
-        auto cl = [](float v) { return std::isnan(v) ? -INFINITY : std::min<double>(v, FLT_MAX); };
-        for (int64_t i = 0; i < vocab; ++i) mx = std::max(mx, cl(row[i]));
-        for (int64_t i = 0; i < vocab; ++i) z += std::exp(cl(row[i]) - mx);
-        EXPECT_NEAR(got[r].logprob, cl(row[got[r].token]) - mx - std::log(z), 1e-4);
-      }
+      DeviceBuffer dl = upload(logits), ds = upload(spec), scratch = sample_scratch(rows, vocab);
+      const auto got = run_split(dl, ds, rows, vocab, scratch);
+      const auto again = run_split(dl, ds, rows, vocab, scratch);
+      ASSERT_TRUE(same_results(got, again)) << "not deterministic";
+      check_rows(logits, spec, vocab, got, run_one_cta(dl, ds, rows, vocab), want, t);
     }
   }
   char line[200];
-  std::snprintf(line, sizeof line, "[ gpu ] sample_rows: %d rows, %d drafts accepted, %d differ from the CPU\n", total,
-                accepted, boundary);
+  std::snprintf(line, sizeof line, "[ gpu ] sample_rows: %d rows, %d drafts accepted, %d differ from the CPU\n", t.rows,
+                t.accepted, t.boundary);
   report(line);
-  EXPECT_LE(boundary * 100, total);  // at most 1%
-  EXPECT_GT(accepted, 20);
+  EXPECT_LE(t.boundary * 100, t.rows);  // at most 1%
+  EXPECT_GT(t.accepted, 20);
 }
 
-// Time per call at K3's vocab for 1 and 256 rows (sampled with a draft, and greedy) against the bytes read once.
+// Time per call at K3's vocab for 1, 8, 64 and 256 rows against the bytes read once: greedy without log-probs
+// (the launches the host specs need: one), greedy with log-probs, and T 0.7 top-p 0.9 with a draft and
+// log-probs; the one-CTA kernel beside each.
 TEST(CudaSampling, Timing) {
   K3_REQUIRE_GPU();
   const int64_t V = 163840;
   Rng rng(11100);
-  for (int64_t rows : {int64_t{1}, int64_t{256}}) {
+  for (int64_t rows : {int64_t{1}, int64_t{8}, int64_t{64}, int64_t{256}}) {
     std::vector<float> logits(static_cast<size_t>(rows * V));
     for (auto& v : logits) v = static_cast<float>(rng.normal() * 3.0);
-    for (float T : {0.0f, 0.7f}) {
+    DeviceBuffer dl = upload(logits), scratch = sample_scratch(rows, V), dout(rows * sizeof(ops::SampleResult));
+    for (int mode = 0; mode < 3; ++mode) {
       std::vector<ops::SampleSpec> spec(static_cast<size_t>(rows));
       for (auto& s : spec) {
-        s.temperature = T;
+        s.temperature = mode == 2 ? 0.7f : 0.0f;
         s.top_p = 0.9f;
         s.draft = static_cast<int32_t>(rng.below(V));
-        s.logprob = 1;
+        s.logprob = mode >= 1;
         s.u_accept = rng.uniform();
         s.u_draw = rng.uniform();
       }
-      DeviceBuffer dl = upload(logits), ds = upload(spec), dout(spec.size() * sizeof(ops::SampleResult));
+      const ops::SampleNeeds needs = ops::sample_needs(spec.data(), rows);
+      DeviceBuffer ds = upload(spec);
       cudaEvent_t e0, e1;
       cudaEventCreate(&e0);
       cudaEventCreate(&e1);
-      for (int i = 0; i < 3; ++i)
-        ASSERT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(),
-                                         dout.get<ops::SampleResult>(), st()), 0);
-      const int iters = 20;
-      cudaEventRecord(e0, st());
-      for (int i = 0; i < iters; ++i)
-        ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(), dout.get<ops::SampleResult>(), st());
-      cudaEventRecord(e1, st());
-      cudaEventSynchronize(e1);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, e0, e1);
-      const double us = 1e3 * ms / iters, floor_us = 1e6 * rows * V * 4.0 / 4.4e12;
-      char line[200];
-      std::snprintf(line, sizeof line, "[ gpu ] sample_rows V %lld rows %lld %s: %.1f us (HBM floor of one read %.2f us, %.1fx)\n",
-                    static_cast<long long>(V), static_cast<long long>(rows), T == 0 ? "greedy" : "T 0.7 top_p 0.9 draft",
-                    us, floor_us, us / floor_us);
+      double us[2];
+      for (int k = 0; k < 2; ++k) {
+        auto call = [&] {
+          return k == 0 ? ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(),
+                                                 dout.get<ops::SampleResult>(), scratch.get(), scratch.bytes(), st(), needs)
+                        : ops::cuda::sample_rows_one_cta(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(),
+                                                         dout.get<ops::SampleResult>(), st());
+        };
+        for (int i = 0; i < 3; ++i) ASSERT_EQ(call(), 0);
+        const int iters = 20;
+        cudaEventRecord(e0, st());
+        for (int i = 0; i < iters; ++i) call();
+        cudaEventRecord(e1, st());
+        cudaEventSynchronize(e1);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        us[k] = 1e3 * ms / iters;
+      }
+      const double floor_us = 1e6 * rows * V * 4.0 / 4.4e12;
+      const char* what = mode == 0 ? "greedy" : mode == 1 ? "greedy logprob" : "T 0.7 top_p 0.9 draft logprob";
+      char line[240];
+      std::snprintf(line, sizeof line,
+                    "[ gpu ] sample_rows V %lld rows %lld %s: %.1f us (one-CTA kernel %.1f us; HBM floor of one read "
+                    "%.2f us, %.1fx)\n",
+                    static_cast<long long>(V), static_cast<long long>(rows), what, us[0], us[1], floor_us,
+                    us[0] / floor_us);
       report(line);
       cudaEventDestroy(e0);
       cudaEventDestroy(e1);
