@@ -18,10 +18,13 @@
 //
 // Layout: row r runs on CTAs r S .. r S + S - 1 (S = sample_split(rows, V).ctas = floor(2 SMs / rows): one
 // wave of two CTAs per SM over all rows, while a chunk keeps >= 2048 ids; one CTA per row from SMs + 1 rows
-// on). CTA j reads ids
-// [j chunk, (j + 1) chunk) once per phase; warp w of it reads segment w of the chunk (chunk / 16 ids,
-// contiguous), float4 loads when the row allows. The phases are separate kernels in stream order, each on
-// the whole grid (a row whose state says it is past the phase, or done, leaves at once):
+// on). CTA j reads ids [j chunk, (j + 1) chunk) once per phase; warp w of it reads segment w of the chunk
+// (chunk / 16 ids, contiguous), float4 loads when the row allows. The phases are separate kernels in stream
+// order, each on the whole grid (a row whose state says it is past the phase, or done, leaves at once).
+// Why kernels and not one kernel whose CTAs wait for each other between phases: a waiting CTA needs every
+// CTA of its row resident (a cooperative launch), and could wait forever beside other ranks' kernels on the
+// same GPU; a launch in stream order costs a microsecond or two, and the phases no row needs are not
+// launched. The phases:
 //   kMax:   per CTA the argmax (value, then id); the row's max and argmax. Greedy rows without a log-prob
 //           end here: one read of the row and one launch.
 //   kMass:  sampled rows: the masses (top_p < 1: histogram pass 0 of the mass by key bits 21..31; top_p = 1:
