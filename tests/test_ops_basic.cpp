@@ -814,6 +814,24 @@ TEST(OpsSampling, BadSpecsThrow) {
   EXPECT_NO_THROW(one(logits, spec(1e-3f, 1.0f, 2, 0.999, 0.999)));
 }
 
+// The phases a batch needs on the device (ops::sample_needs): exactly what its rows ask for; a top-p below 1 on a
+// greedy row needs nothing; no rows need nothing.
+TEST(OpsSampling, SampleNeeds) {
+  using namespace sampling_ref;
+  auto needs = [](std::vector<SampleSpec> v) {
+    const k3::ops::SampleNeeds n = k3::ops::sample_needs(v.data(), static_cast<int64_t>(v.size()));
+    return std::string(n.sampled ? "s" : "-") + (n.top_p ? "p" : "-") + (n.logprob ? "l" : "-");
+  };
+  EXPECT_EQ(needs({}), "---");
+  EXPECT_EQ(needs({spec(0, 1), spec(0, 0.5f, 3)}), "---");
+  EXPECT_EQ(needs({spec(0, 1), spec(0, 0.5f, -1, 0, 0, true)}), "--l");
+  EXPECT_EQ(needs({spec(0, 0.5f), spec(0.7f, 1)}), "s--");
+  EXPECT_EQ(needs({spec(0.7f, 1), spec(0, 1), spec(1.0f, 0.9f)}), "sp-");
+  EXPECT_EQ(needs({spec(1.0f, 0.9f, -1, 0, 0, true)}), "spl");
+  const k3::ops::SampleNeeds all;  // the default: every phase
+  EXPECT_TRUE(all.sampled && all.top_p && all.logprob);
+}
+
 // The parameters as a caller (the CLI) gives them: temperature 0 is greedy, so allowed there; NaN, inf and
 // negative temperatures and top-p outside (0, 1] are refused with one line naming the parameter.
 TEST(OpsSampling, CheckSamplingParams) {

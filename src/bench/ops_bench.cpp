@@ -17,11 +17,13 @@
 #include "bench/bench.h"
 #include "bench/kernels.h"
 #include "core/cuda.h"
+#include "core/rng.h"
 #include "ops/dsa.h"
 #include "ops/kda.h"
 #include "ops/linear.h"
 #include "ops/mla.h"
 #include "ops/moe.h"
+#include "ops/sampling.h"
 
 namespace k3 {
 
@@ -89,8 +91,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
   };
 
   K3_CHECK(args.ops_only.empty() || args.ops_only == "linear" || args.ops_only == "moe" ||
-               args.ops_only == "kda" || args.ops_only == "mla",
-           "bench: --ops-only takes linear, moe, kda or mla, not '{}'", args.ops_only);
+               args.ops_only == "kda" || args.ops_only == "mla" || args.ops_only == "sampling",
+           "bench: --ops-only takes linear, moe, kda, mla or sampling, not '{}'", args.ops_only);
   auto want = [&](const char* section) { return args.ops_only.empty() || args.ops_only == section; };
 
   // 1. Projections: hand-written kernel vs cuBLASLt vs the chosen path.
@@ -415,6 +417,46 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
                  bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us);
       record("mla_attend", fmt::format("ctx{} B{} q{}", ctxlen, B, q), us, bytes,
              {{"context", ctxlen}, {"B", B}, {"q", q}});
+    }
+  }
+  // 5. Token sampling on the step's logits (K3's vocab, FP32), the floor one read of the logits: greedy (one
+  // launch), greedy with log-probs, nucleus sampling with a draft and log-probs; the one-CTA kernel beside it.
+  if (want("sampling")) {
+    fmt::print("\nsample_rows (vocab 163840, FP32 logits): us per call, split kernel / one-CTA kernel\n");
+    const int64_t V = 163840, maxR = 256;
+    DeviceBuffer logits(maxR * V * 4), out(maxR * sizeof(ops::SampleResult));
+    K3_OK(bench::fill(logits.get(), maxR * V, 1, 0.0f, 8.0f, 31, s));  // uniform in [-8, 8]
+    DeviceBuffer spec(maxR * sizeof(ops::SampleSpec)), scratch(cu::sample_rows_scratch_bytes(maxR, V));
+    CUDA_CHECK(cudaMemsetAsync(scratch.get(), 0, scratch.bytes(), s));
+    Rng rng(32);
+    for (int64_t rows : {int64_t{1}, int64_t{8}, int64_t{64}, int64_t{256}}) {
+      for (int mode = 0; mode < 3; ++mode) {
+        std::vector<ops::SampleSpec> specs(static_cast<size_t>(rows));
+        for (auto& sp : specs) {
+          sp.temperature = mode == 2 ? 0.7f : 0.0f;
+          sp.top_p = mode == 2 ? 0.9f : 1.0f;
+          sp.draft = mode == 2 ? static_cast<int32_t>(rng.below(V)) : -1;
+          sp.logprob = mode >= 1;
+          sp.u_accept = rng.uniform();
+          sp.u_draw = rng.uniform();
+        }
+        CUDA_CHECK(cudaMemcpy(spec.get(), specs.data(), rows * sizeof(ops::SampleSpec), cudaMemcpyHostToDevice));
+        const ops::SampleNeeds needs = ops::sample_needs(specs.data(), rows);
+        const double split_us = time_us(s, [&] {
+          K3_OK(cu::sample_rows(logits.get<float>(), rows, V, spec.get<ops::SampleSpec>(), out.get<ops::SampleResult>(),
+                                scratch.get(), scratch.bytes(), s, needs));
+        });
+        const double one_us = time_us(s, [&] {
+          K3_OK(cu::sample_rows_one_cta(logits.get<float>(), rows, V, spec.get<ops::SampleSpec>(),
+                                        out.get<ops::SampleResult>(), s));
+        });
+        const char* what = mode == 0 ? "greedy" : mode == 1 ? "greedy logprob" : "T 0.7 top_p 0.9 draft logprob";
+        const double bytes = double(rows) * V * 4;
+        fmt::print("  rows {:>3} {:<30}: {:>8.1f} us (one-CTA {:>8.1f} us), floor {:>6.1f} us, {:>5.0f}%\n", rows, what,
+                   split_us, one_us, bytes / bw * 1e6, 100 * bytes / bw * 1e6 / split_us);
+        record("sample_rows", fmt::format("rows{} {}", rows, what), split_us, bytes,
+               {{"rows", rows}, {"vocab", V}, {"mode", what}, {"one_cta_us", one_us}});
+      }
     }
   }
   if (!args.json.empty()) {

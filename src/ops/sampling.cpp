@@ -30,6 +30,17 @@ void check_specs(const SampleSpec* spec, int64_t rows, int64_t vocab) {
   }
 }
 
+SampleNeeds sample_needs(const SampleSpec* spec, int64_t rows) {
+  SampleNeeds n{false, false, false};
+  for (int64_t r = 0; r < rows; ++r) {
+    const SampleSpec& s = spec[r];
+    n.sampled = n.sampled || s.temperature > 0.0f;
+    n.top_p = n.top_p || (s.temperature > 0.0f && s.top_p < 1.0f);
+    n.logprob = n.logprob || s.logprob != 0;
+  }
+  return n;
+}
+
 namespace {
 
 float clean(float v) { return std::isnan(v) ? -INFINITY : v == INFINITY ? FLT_MAX : v; }

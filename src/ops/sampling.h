@@ -57,13 +57,49 @@ void sample_rows(const float* logits, int64_t rows, int64_t vocab, const SampleS
 // Those checks alone (the GPU callers run them on the host specs before uploading).
 void check_specs(const SampleSpec* spec, int64_t rows, int64_t vocab);
 
+// What a batch of specs needs beyond the argmax, for the device launcher (ops::cuda::sample_rows), which skips
+// the phases no row needs: sampled (a row with temperature > 0), top_p (a sampled row with top_p < 1), logprob
+// (a row asking for its log-probability). The default, every phase, is right for any specs.
+struct SampleNeeds {
+  bool sampled = true;
+  bool top_p = true;
+  bool logprob = true;
+};
+// The needs of these (host) specs: exactly what they ask for.
+SampleNeeds sample_needs(const SampleSpec* spec, int64_t rows);
+
 }  // namespace k3::ops
 
 namespace k3::ops::cuda {
 
-// The same on the device: logits [rows, vocab] FP32, spec [rows] and out [rows] device pointers. One CTA of
-// 1024 threads per row, any vocab, no allocation; specs are trusted (the host checks them: check_specs).
+// How the device op splits a row: `ctas` CTAs per row, CTA j over ids [j chunk, (j + 1) chunk) in 16
+// segments of `segment` ids (a multiple of 4). ctas_per_row 0: chosen from rows and the device's SM count
+// (floor(2 SMs / rows): one wave of two CTAs per SM in all, at least 2048 ids each; one CTA per row from
+// SMs + 1 rows on); > 0: that many (at most one per 64 ids), for the tests. Host only.
+struct SampleSplit {
+  int64_t ctas = 1, chunk = 0, segment = 0;
+};
+SampleSplit sample_split(int64_t rows, int64_t vocab, int64_t ctas_per_row = 0);
+
+// Scratch of sample_rows in bytes for up to max_rows rows of this vocab (and ctas_per_row, as given to
+// sample_rows): per row a block of a counter, the row's state, a histogram and the per-CTA partials
+// (36 KB a row at vocab 163840). ZEROED ONCE before its first use (cudaMemset); every call leaves it
+// reusable (the counters back at 0), for any rows <= max_rows. One scratch per stream.
+size_t sample_rows_scratch_bytes(int64_t max_rows, int64_t vocab, int64_t ctas_per_row = 0);
+
+// The same on the device: logits [rows, vocab] FP32, spec [rows] and out [rows] device pointers; vocab <= 2^23.
+// Each row split over sample_split(rows, vocab, ctas_per_row).ctas CTAs, up to six kernels (fewer when `needs`,
+// from the host specs, says no row needs them), no allocation, no host synchronization: capturable in a CUDA
+// graph (capture with the default `needs`, the replays' specs being unknown). Specs are trusted (the host
+// checks them: check_specs). Ids and accepted flags are those of sample_rows_one_cta, bit for bit; log-probs
+// agree with it to rounding (see sampling.cu) and do not depend on the split.
 int sample_rows(const float* logits, int64_t rows, int64_t vocab, const SampleSpec* spec, SampleResult* out,
-                CUstream_st* stream);
+                void* scratch, size_t scratch_bytes, CUstream_st* stream, SampleNeeds needs = {},
+                int64_t ctas_per_row = 0);
+
+// The previous kernel, one CTA of 1024 threads per row reading the row up to six times (sampling_one_cta.cu):
+// kept as the reference that sample_rows is tested (and benchmarked) against. Same contract, no scratch.
+int sample_rows_one_cta(const float* logits, int64_t rows, int64_t vocab, const SampleSpec* spec, SampleResult* out,
+                        CUstream_st* stream);
 
 }  // namespace k3::ops::cuda

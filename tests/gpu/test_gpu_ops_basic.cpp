@@ -704,14 +704,95 @@ bool near_boundary(const float* raw, int64_t V, const ops::SampleSpec& s, double
   return near;
 }
 
-// The kernel against the CPU op: vocab 1000 / 163840 / an odd size, 1..256 rows, T in {0, 0.7, 1.3}, top_p in
-// {1, 0.9, 0.5}, no draft / a random draft / the argmax as draft, log-probs asked. Ids and accepted flags equal
-// except at boundary rows (counted, bounded); log-probs within 1e-4 of the float64 log-softmax; the kernel is
-// deterministic (two runs, equal bytes). Special rows: ties for the maximum, NaN at id 0, NaN / -inf / +inf.
+// A scratch for ops::cuda::sample_rows, zeroed as its contract asks (once, before the first call).
+DeviceBuffer sample_scratch(int64_t rows, int64_t vocab, int64_t ctas = 0) {
+  DeviceBuffer b(std::max<size_t>(ops::cuda::sample_rows_scratch_bytes(rows, vocab, ctas), 256));
+  CUDA_CHECK(cudaMemsetAsync(b.get(), 0, b.bytes(), stream()));
+  return b;
+}
+
+// The split kernel on device logits and specs; a row it leaves unwritten reads token -1.
+std::vector<ops::SampleResult> run_split(const DeviceBuffer& dl, const DeviceBuffer& ds, int64_t rows, int64_t vocab,
+                                         const DeviceBuffer& scratch, int64_t ctas = 0, ops::SampleNeeds needs = {}) {
+  DeviceBuffer dout(std::max<size_t>(rows * sizeof(ops::SampleResult), 16));
+  CUDA_CHECK(cudaMemsetAsync(dout.get(), 0xff, dout.bytes(), stream()));
+  EXPECT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(), dout.get<ops::SampleResult>(),
+                                   scratch.get(), scratch.bytes(), st(), needs, ctas),
+            0);
+  return download<ops::SampleResult>(dout, static_cast<size_t>(rows));
+}
+
+std::vector<ops::SampleResult> run_one_cta(const DeviceBuffer& dl, const DeviceBuffer& ds, int64_t rows, int64_t vocab) {
+  DeviceBuffer dout(std::max<size_t>(rows * sizeof(ops::SampleResult), 16));
+  EXPECT_EQ(ops::cuda::sample_rows_one_cta(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(),
+                                           dout.get<ops::SampleResult>(), st()),
+            0);
+  return download<ops::SampleResult>(dout, static_cast<size_t>(rows));
+}
+
+bool same_results(const std::vector<ops::SampleResult>& a, const std::vector<ops::SampleResult>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(ops::SampleResult)) == 0;
+}
+
+// log p(token) under the softmax of the raw row at temperature 1, in float64 (NaN as -inf, +inf as FLT_MAX).
+double logprob_f64(const float* row, int64_t V, int32_t token) {
+  auto cl = [](float v) { return std::isnan(v) ? -INFINITY : std::min<double>(v, FLT_MAX); };
+  double mx = -INFINITY, z = 0;
+  for (int64_t i = 0; i < V; ++i) mx = std::max(mx, cl(row[i]));
+  if (mx == -INFINITY) return -INFINITY;
+  for (int64_t i = 0; i < V; ++i) z += std::exp(cl(row[i]) - mx);
+  return cl(row[token]) - mx - std::log(z);
+}
+
+// Counts of a checked batch.
+struct Tally {
+  int rows = 0, boundary = 0, accepted = 0, rejected = 0;
+};
+
+// The split kernel's results `got` for logits [rows, V] under spec against the one-CTA kernel's (`one`: ids and
+// flags bit for bit) and the CPU op's (`cpu`: ids and flags equal except within 1e-5 of a boundary of its float64
+// sums; log-probs within rounding of the float64 log-softmax, integer z1: ~1e-6).
+void check_rows(const std::vector<float>& logits, const std::vector<ops::SampleSpec>& spec, int64_t V,
+                const std::vector<ops::SampleResult>& got, const std::vector<ops::SampleResult>& one,
+                const std::vector<ops::SampleResult>& cpu, Tally& t) {
+  ASSERT_EQ(got.size(), spec.size());
+  for (size_t r = 0; r < spec.size(); ++r) {
+    const ops::SampleSpec& s = spec[r];
+    const float* row = logits.data() + static_cast<int64_t>(r) * V;
+    SCOPED_TRACE(testing::Message() << "row " << r << " T " << s.temperature << " top_p " << s.top_p << " draft "
+                                    << s.draft << " u " << s.u_accept << " " << s.u_draw);
+    ++t.rows;
+    ASSERT_TRUE(got[r].token >= 0 && got[r].token < V) << "token " << got[r].token;
+    EXPECT_EQ(got[r].token, one[r].token) << "the one-CTA kernel's id";
+    EXPECT_EQ(got[r].accepted, one[r].accepted) << "the one-CTA kernel's flag";
+    if (s.draft >= 0) (got[r].accepted ? t.accepted : t.rejected)++;
+    if (got[r].token != cpu[r].token || got[r].accepted != cpu[r].accepted) {
+      ++t.boundary;
+      EXPECT_TRUE(near_boundary(row, V, s, 1e-5))
+          << "gpu " << got[r].token << "/" << got[r].accepted << " cpu " << cpu[r].token << "/" << cpu[r].accepted;
+    }
+    if (s.logprob) {
+      const double want = logprob_f64(row, V, got[r].token);
+      if (want == -INFINITY) {
+        EXPECT_EQ(got[r].logprob, -INFINITY);
+      } else {
+        EXPECT_NEAR(got[r].logprob, want, 1e-5 + 1e-6 * std::fabs(want));
+      }
+    } else {
+      EXPECT_EQ(got[r].logprob, 0.0f);
+    }
+  }
+}
+
+// The kernel against the CPU op and the one-CTA kernel: vocab 1000 / 4099 / 163840, 1..256 rows, T in {0, 0.7,
+// 1.3}, top_p in {1, 0.9, 0.5}, no draft / a random draft / the argmax as draft, log-probs asked. Ids and
+// accepted flags equal the one-CTA kernel's, and the CPU's except at boundary rows (counted, bounded); log-probs
+// near the float64 log-softmax; the kernel is deterministic (two runs, equal bytes). Special rows: ties for the
+// maximum, NaN at id 0, NaN / -inf / +inf.
 TEST(CudaSampling, MatchesCpuOp) {
   K3_REQUIRE_GPU();
   uint64_t seed = 11000;
-  int boundary = 0, total = 0, accepted = 0;
+  Tally t;
   for (int64_t vocab : {int64_t{1000}, int64_t{4099}, int64_t{163840}}) {
     for (int64_t rows : {int64_t{1}, int64_t{37}, int64_t{256}}) {
       SCOPED_TRACE(testing::Message() << "vocab " << vocab << " rows " << rows);
@@ -746,82 +827,342 @@ TEST(CudaSampling, MatchesCpuOp) {
       }
       std::vector<ops::SampleResult> want(spec.size());
       ops::sample_rows(logits.data(), rows, vocab, spec.data(), want.data());
-      DeviceBuffer dl = upload(logits), ds = upload(spec), dout(spec.size() * sizeof(ops::SampleResult));
-      ASSERT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(),
-                                       dout.get<ops::SampleResult>(), st()), 0);
-      const auto got = download<ops::SampleResult>(dout, spec.size());
-      ASSERT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(),
-                                       dout.get<ops::SampleResult>(), st()), 0);
-      const auto again = download<ops::SampleResult>(dout, spec.size());
-      ASSERT_EQ(std::memcmp(got.data(), again.data(), got.size() * sizeof(ops::SampleResult)), 0) << "not deterministic";
-      for (int64_t r = 0; r < rows; ++r) {
-        const ops::SampleSpec& s = spec[r];
-        SCOPED_TRACE(testing::Message() << "row " << r << " T " << s.temperature << " top_p " << s.top_p << " draft "
-                                        << s.draft);
-        ++total;
-        accepted += want[r].accepted;
-        const float* row = logits.data() + r * vocab;
-        if (got[r].token != want[r].token || got[r].accepted != want[r].accepted) {
-          ++boundary;
-          EXPECT_TRUE(near_boundary(row, vocab, s, 1e-5))
-              << "gpu " << got[r].token << "/" << got[r].accepted << " cpu " << want[r].token << "/" << want[r].accepted;
-        }
-        ASSERT_TRUE(got[r].token >= 0 && got[r].token < vocab);
-        // The log-prob of the GPU's token, from float64.
-        double mx = -INFINITY, z = 0;
-        auto cl = [](float v) { return std::isnan(v) ? -INFINITY : std::min<double>(v, FLT_MAX); };
-        for (int64_t i = 0; i < vocab; ++i) mx = std::max(mx, cl(row[i]));
-        for (int64_t i = 0; i < vocab; ++i) z += std::exp(cl(row[i]) - mx);
-        EXPECT_NEAR(got[r].logprob, cl(row[got[r].token]) - mx - std::log(z), 1e-4);
-      }
+      DeviceBuffer dl = upload(logits), ds = upload(spec), scratch = sample_scratch(rows, vocab);
+      const auto got = run_split(dl, ds, rows, vocab, scratch);
+      const auto again = run_split(dl, ds, rows, vocab, scratch);
+      ASSERT_TRUE(same_results(got, again)) << "not deterministic";
+      check_rows(logits, spec, vocab, got, run_one_cta(dl, ds, rows, vocab), want, t);
     }
   }
   char line[200];
-  std::snprintf(line, sizeof line, "[ gpu ] sample_rows: %d rows, %d drafts accepted, %d differ from the CPU\n", total,
-                accepted, boundary);
+  std::snprintf(line, sizeof line, "[ gpu ] sample_rows: %d rows, %d drafts accepted, %d differ from the CPU\n", t.rows,
+                t.accepted, t.boundary);
   report(line);
-  EXPECT_LE(boundary * 100, total);  // at most 1%
-  EXPECT_GT(accepted, 20);
+  EXPECT_LE(t.boundary * 100, t.rows);  // at most 1%
+  EXPECT_GT(t.accepted, 20);
 }
 
-// Time per call at K3's vocab for 1 and 256 rows (sampled with a draft, and greedy) against the bytes read once.
+// Rows built against the split: for vocab V and chunk boundaries b (multiples of the chunk of the given split,
+// else V / 2), over a random background (normal x 3, never zero):
+//   0: the maximum tied across a boundary (b - 1 and b: the lower id wins)   1: the maximum alone at b
+//   2: the maximum at the last id   3: equal maxima at every chunk start but the first
+//   4: every logit equal (the top-p cut falls inside a run of equal masses)
+//   5: a run of 2 * w equal logits from b - 0.9 w holding the top-p edge (top_p 0.5 ends inside it, within a
+//      few ids of b for T 0.7 .. 1.3), three larger tokens after it, the rest far below
+//   6: every logit NaN or -inf (token 0)   7: the background (the edge bin spans chunks)
+//   8: the background rounded (many equal logits at every level)
+std::vector<float> split_row(Rng& rng, int64_t V, int kind, int64_t chunk, int64_t b) {
+  std::vector<float> l(static_cast<size_t>(V));
+  for (auto& x : l) x = static_cast<float>(rng.normal() * 3.0);
+  switch (kind) {
+    case 0:
+      if (b >= 1) l[b - 1] = 20.f;
+      l[b] = 20.f;
+      break;
+    case 1:
+      l[b] = 20.f;
+      break;
+    case 2:
+      l[V - 1] = 20.f;
+      break;
+    case 3:
+      for (int64_t i = chunk; i < V; i += chunk) l[i] = 20.f;
+      if (chunk >= V) l[V - 1] = 20.f;
+      break;
+    case 4:
+      for (auto& x : l) x = 0.37f;
+      break;
+    case 5: {
+      for (auto& x : l) x = static_cast<float>(rng.normal() * 0.5 - 12.0);
+      const int64_t w = std::max<int64_t>(1, std::min<int64_t>(50, V / 4));
+      const int64_t start = std::max<int64_t>(0, b - 9 * w / 10), end = std::min(V, start + 2 * w);
+      for (int64_t i = start; i < end; ++i) l[i] = 2.0f;
+      for (int k = 0; k < 3 && V > 2 * w + 3; ++k) l[(end + 1 + k * 7) % V] = 3.0f;
+      break;
+    }
+    case 6:
+      for (int64_t i = 0; i < V; ++i) l[i] = i % 3 == 0 ? NAN : -INFINITY;
+      break;
+    case 7:
+      break;
+    case 8:
+      for (auto& x : l) x = std::round(x);
+      break;
+  }
+  return l;
+}
+
+// The split's boundary cases: vocab 7 / 1000 / 163840 / 1000003 (odd: scalar loads, a short last chunk), the rows
+// of split_row under T in {0, 0.7, 1, 1.3}, top_p in {1, 0.9, 0.5, 0.05}, drafts (none, the argmax, a token of
+// the row's equal run, a random one), log-probs on and off. Each batch runs under several splits (auto, 1, 2, 3,
+// 7 CTAs per row and the most: a CTA per 64 ids), whose results must be equal byte for byte (log-probs too: every
+// sum is an integer); they are checked against the one-CTA kernel and the CPU op (check_rows). Then 300 rows (the
+// batch repeated with new uniforms) and each of the first rows alone.
+TEST(CudaSampling, SplitBoundaries) {
+  K3_REQUIRE_GPU();
+  Tally t;
+  uint64_t seed = 11200;
+  for (int64_t V : {int64_t{7}, int64_t{1000}, int64_t{163840}, int64_t{1000003}}) {
+    SCOPED_TRACE(testing::Message() << "vocab " << V);
+    Rng rng(seed++);
+    // Boundaries of a 3-CTA split (the rows are the same for every split; other splits cut elsewhere).
+    const ops::cuda::SampleSplit sp = ops::cuda::sample_split(1, V, 3);
+    const int64_t b = sp.ctas > 1 ? sp.chunk : V / 2;
+    std::vector<float> logits;
+    std::vector<ops::SampleSpec> spec;
+    const float Ts[] = {0.0f, 0.7f, 1.0f, 1.3f}, Ps[] = {1.0f, 0.9f, 0.5f, 0.05f};
+    for (int kind = 0; kind < 9; ++kind) {
+      for (int v = 0; v < 6; ++v) {
+        const std::vector<float> l = split_row(rng, V, kind, sp.chunk, v % 2 ? b : std::min(V - 1, b + sp.segment));
+        ops::SampleSpec s;
+        s.temperature = Ts[(kind + v) % 4];
+        s.top_p = kind == 5 ? 0.5f : Ps[(kind + 3 * v) % 4];
+        int32_t best = 0;
+        for (int64_t i = 1; i < V; ++i)
+          if ((std::isnan(l[i]) ? -INFINITY : l[i]) > (std::isnan(l[best]) ? -INFINITY : l[best])) best = static_cast<int32_t>(i);
+        const int32_t run = static_cast<int32_t>(std::min(V - 1, b));  // in the equal run of kinds 4 and 5
+        s.draft = v % 4 == 0 ? -1 : v % 4 == 1 ? best : v % 4 == 2 ? run : static_cast<int32_t>(rng.below(V));
+        s.logprob = v != 5;
+        s.u_accept = rng.uniform();
+        s.u_draw = rng.uniform();
+        logits.insert(logits.end(), l.begin(), l.end());
+        spec.push_back(s);
+      }
+    }
+    const int64_t rows = static_cast<int64_t>(spec.size());
+    std::vector<ops::SampleResult> cpu(spec.size());
+    ops::sample_rows(logits.data(), rows, V, spec.data(), cpu.data());
+    DeviceBuffer dl = upload(logits), ds = upload(spec);
+    const auto one = run_one_cta(dl, ds, rows, V);
+    std::vector<ops::SampleResult> first;
+    const int64_t most = (V + 63) / 64;
+    for (int64_t ctas : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{3}, int64_t{7}, most}) {
+      SCOPED_TRACE(testing::Message() << "ctas per row " << ctas << " (" << ops::cuda::sample_split(rows, V, ctas).ctas
+                                      << ")");
+      DeviceBuffer scratch = sample_scratch(rows, V, ctas);
+      const auto got = run_split(dl, ds, rows, V, scratch, ctas);
+      if (first.empty()) {
+        first = got;
+        check_rows(logits, spec, V, got, one, cpu, t);
+      } else {
+        EXPECT_TRUE(same_results(got, first)) << "the split changed a result";
+      }
+    }
+    // 300 rows: the batch repeated with new uniforms.
+    std::vector<float> many;
+    std::vector<ops::SampleSpec> many_spec;
+    const int64_t n = V > 200000 ? 60 : 300;  // (1000003 x 300 floats would be 1.2 GB on the host)
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t src = r % rows;
+      many.insert(many.end(), logits.begin() + src * V, logits.begin() + (src + 1) * V);
+      ops::SampleSpec s = spec[src];
+      s.u_accept = rng.uniform();
+      s.u_draw = rng.uniform();
+      many_spec.push_back(s);
+    }
+    std::vector<ops::SampleResult> many_cpu(many_spec.size());
+    ops::sample_rows(many.data(), n, V, many_spec.data(), many_cpu.data());
+    DeviceBuffer dml = upload(many), dms = upload(many_spec), mscratch = sample_scratch(n, V);
+    check_rows(many, many_spec, V, run_split(dml, dms, n, V, mscratch), run_one_cta(dml, dms, n, V), many_cpu, t);
+    // Single rows: the widest automatic split.
+    DeviceBuffer one_scratch = sample_scratch(1, V);
+    for (int64_t r = 0; r < std::min<int64_t>(rows, 12); ++r) {
+      SCOPED_TRACE(testing::Message() << "alone: row " << r);
+      const std::vector<float> l(logits.begin() + r * V, logits.begin() + (r + 1) * V);
+      const std::vector<ops::SampleSpec> s1 = {spec[r]};
+      DeviceBuffer d1 = upload(l), ds1 = upload(s1);
+      const auto got = run_split(d1, ds1, 1, V, one_scratch);
+      EXPECT_TRUE(same_results(got, {first[r]})) << "alone " << got[0].token << " in the batch " << first[r].token;
+    }
+  }
+  char line[200];
+  std::snprintf(line, sizeof line, "[ gpu ] sample_rows split cases: %d rows, %d drafts accepted, %d rejected, %d differ from the CPU\n",
+                t.rows, t.accepted, t.rejected, t.boundary);
+  report(line);
+  EXPECT_LE(t.boundary * 50, t.rows);
+  EXPECT_GT(t.accepted, 20);
+  EXPECT_GT(t.rejected, 20);
+}
+
+// The launcher's phase skipping (ops::sample_needs from the host specs) changes no result: greedy rows without
+// log-probs (one launch), greedy with log-probs, sampled with top_p = 1, and a mix, against every phase launched.
+TEST(CudaSampling, NeedsSkipOnlyUnusedPhases) {
+  K3_REQUIRE_GPU();
+  const int64_t V = 163840, rows = 64;
+  Rng rng(11300);
+  std::vector<float> logits(static_cast<size_t>(rows * V));
+  for (auto& v : logits) v = static_cast<float>(rng.normal() * 3.0);
+  DeviceBuffer dl = upload(logits), scratch = sample_scratch(rows, V);
+  for (int mode = 0; mode < 4; ++mode) {
+    SCOPED_TRACE(testing::Message() << "mode " << mode);
+    std::vector<ops::SampleSpec> spec(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+      ops::SampleSpec& s = spec[r];
+      s.temperature = mode <= 1 ? 0.0f : mode == 2 ? 0.8f : (r % 3 == 0 ? 0.0f : 0.8f);
+      s.top_p = mode == 3 && r % 2 ? 0.9f : 1.0f;
+      s.logprob = mode == 1 || (mode >= 2 && r % 4 == 1);
+      s.draft = r % 3 == 2 ? static_cast<int32_t>(rng.below(V)) : -1;
+      s.u_accept = rng.uniform();
+      s.u_draw = rng.uniform();
+    }
+    const ops::SampleNeeds needs = ops::sample_needs(spec.data(), rows);
+    EXPECT_EQ(needs.sampled, mode >= 2);
+    EXPECT_EQ(needs.top_p, mode == 3);
+    EXPECT_EQ(needs.logprob, mode >= 1);
+    DeviceBuffer ds = upload(spec);
+    const auto all = run_split(dl, ds, rows, V, scratch);
+    const auto skipped = run_split(dl, ds, rows, V, scratch, 0, needs);
+    EXPECT_TRUE(same_results(all, skipped));
+    const auto one = run_one_cta(dl, ds, rows, V);
+    for (int64_t r = 0; r < rows; ++r) {
+      EXPECT_EQ(skipped[r].token, one[r].token) << "row " << r;
+      EXPECT_EQ(skipped[r].accepted, one[r].accepted) << "row " << r;
+    }
+  }
+}
+
+// Captured in a CUDA graph (default needs: the replays' specs are unknown at capture) and replayed with new specs
+// between replays, interleaved with eager calls of other row counts on the same scratch: each replay gives the
+// eager results of its specs (the counters come back to zero after every call).
+TEST(CudaSampling, GraphReplayMatchesEager) {
+  K3_REQUIRE_GPU();
+  const int64_t V = 4099, rows = 37;
+  Rng rng(11400);
+  std::vector<float> logits(static_cast<size_t>(rows * V));
+  for (auto& v : logits) v = static_cast<float>(rng.normal() * 3.0);
+  DeviceBuffer dl = upload(logits), scratch = sample_scratch(rows, V);
+  DeviceBuffer ds(rows * sizeof(ops::SampleSpec)), dout(rows * sizeof(ops::SampleResult));
+  ASSERT_EQ(cudaStreamSynchronize(stream()), cudaSuccess);  // (the scratch's memset before the capture)
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const int rc = ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(), dout.get<ops::SampleResult>(),
+                                        scratch.get(), scratch.bytes(), st());
+  ASSERT_EQ(cudaStreamEndCapture(stream(), &graph), cudaSuccess);
+  ASSERT_EQ(rc, 0);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int replay = 0; replay < 4; ++replay) {
+    SCOPED_TRACE(testing::Message() << "replay " << replay);
+    std::vector<ops::SampleSpec> spec(static_cast<size_t>(rows));
+    for (int64_t r = 0; r < rows; ++r) {
+      ops::SampleSpec& s = spec[r];
+      s.temperature = (r + replay) % 3 == 0 ? 0.0f : 0.9f;
+      s.top_p = (r + replay) % 2 ? 0.8f : 1.0f;
+      s.logprob = r % 2;
+      s.draft = r % 4 == 3 ? static_cast<int32_t>(rng.below(V)) : -1;
+      s.u_accept = rng.uniform();
+      s.u_draw = rng.uniform();
+    }
+    ASSERT_EQ(cudaMemcpyAsync(ds.get(), spec.data(), rows * sizeof(ops::SampleSpec), cudaMemcpyHostToDevice, stream()),
+              cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream()), cudaSuccess);
+    const auto replayed = download<ops::SampleResult>(dout, static_cast<size_t>(rows));
+    const int64_t fewer = 1 + replay * 11;  // an eager call of other rows on the same scratch in between
+    run_split(dl, ds, fewer, V, scratch);
+    const auto eager = run_split(dl, ds, rows, V, scratch);
+    EXPECT_TRUE(same_results(replayed, eager));
+    std::vector<ops::SampleResult> cpu(spec.size());
+    ops::sample_rows(logits.data(), rows, V, spec.data(), cpu.data());
+    Tally t;
+    check_rows(logits, spec, V, replayed, run_one_cta(dl, ds, rows, V), cpu, t);
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+// The split's shape (host only, runs without a GPU: the SM count falls back to 132): chunks of whole segments
+// (multiples of 4 ids) that cover the row with no empty CTA; the automatic split gives a chunk >= 2048 ids and
+// one CTA per row from SMs + 1 rows on; the scratch grows with the rows; a launch with too little scratch is
+// refused before anything runs.
+TEST(CudaSampling, SplitGeometry) {
+  for (int64_t V : {int64_t{1}, int64_t{7}, int64_t{64}, int64_t{1000}, int64_t{4099}, int64_t{163840},
+                    int64_t{1000003}, int64_t{1} << 23}) {
+    for (int64_t rows : {int64_t{1}, int64_t{2}, int64_t{8}, int64_t{64}, int64_t{255}, int64_t{300}, int64_t{5000}}) {
+      for (int64_t ctas : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{1000}, int64_t{1} << 20}) {
+        SCOPED_TRACE(testing::Message() << "V " << V << " rows " << rows << " ctas " << ctas);
+        const ops::cuda::SampleSplit sp = ops::cuda::sample_split(rows, V, ctas);
+        ASSERT_GE(sp.ctas, 1);
+        EXPECT_EQ(sp.segment % 4, 0);
+        EXPECT_EQ(sp.chunk, 16 * sp.segment);
+        EXPECT_GE(sp.ctas * sp.chunk, V);
+        EXPECT_LT((sp.ctas - 1) * sp.chunk, V);
+        if (ctas == 0) {
+          if (sp.ctas > 1) {
+            EXPECT_GE(sp.chunk, 2048);
+          }
+          if (rows >= 5000) {
+            EXPECT_EQ(sp.ctas, 1);
+          }
+        } else {
+          EXPECT_LE(sp.ctas, ctas);
+          EXPECT_GE(sp.segment, 4);
+        }
+      }
+      EXPECT_LT(ops::cuda::sample_rows_scratch_bytes(rows, V), ops::cuda::sample_rows_scratch_bytes(rows + 1, V));
+    }
+  }
+  EXPECT_EQ(ops::cuda::sample_split(1, 163840).ctas, 80);  // 2048 ids per CTA: the widest automatic split
+  const size_t need = ops::cuda::sample_rows_scratch_bytes(4, 1000);
+  EXPECT_EQ(ops::cuda::sample_rows(nullptr, 4, 1000, nullptr, nullptr, nullptr, 0, nullptr), cudaErrorInvalidValue);
+  alignas(16) static char small[64];
+  EXPECT_EQ(ops::cuda::sample_rows(nullptr, 4, 1000, nullptr, nullptr, small, need - 1, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(ops::cuda::sample_rows(nullptr, 4, (int64_t{1} << 23) + 1, nullptr, nullptr, small, need, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(ops::cuda::sample_rows(nullptr, 0, 1000, nullptr, nullptr, nullptr, 0, nullptr), cudaSuccess);
+}
+
+// Time per call at K3's vocab for 1, 8, 64 and 256 rows against the bytes read once: greedy without log-probs
+// (the launches the host specs need: one), greedy with log-probs, and T 0.7 top-p 0.9 with a draft and
+// log-probs; the one-CTA kernel beside each.
 TEST(CudaSampling, Timing) {
   K3_REQUIRE_GPU();
   const int64_t V = 163840;
   Rng rng(11100);
-  for (int64_t rows : {int64_t{1}, int64_t{256}}) {
+  for (int64_t rows : {int64_t{1}, int64_t{8}, int64_t{64}, int64_t{256}}) {
     std::vector<float> logits(static_cast<size_t>(rows * V));
     for (auto& v : logits) v = static_cast<float>(rng.normal() * 3.0);
-    for (float T : {0.0f, 0.7f}) {
+    DeviceBuffer dl = upload(logits), scratch = sample_scratch(rows, V), dout(rows * sizeof(ops::SampleResult));
+    for (int mode = 0; mode < 3; ++mode) {
       std::vector<ops::SampleSpec> spec(static_cast<size_t>(rows));
       for (auto& s : spec) {
-        s.temperature = T;
+        s.temperature = mode == 2 ? 0.7f : 0.0f;
         s.top_p = 0.9f;
         s.draft = static_cast<int32_t>(rng.below(V));
-        s.logprob = 1;
+        s.logprob = mode >= 1;
         s.u_accept = rng.uniform();
         s.u_draw = rng.uniform();
       }
-      DeviceBuffer dl = upload(logits), ds = upload(spec), dout(spec.size() * sizeof(ops::SampleResult));
+      const ops::SampleNeeds needs = ops::sample_needs(spec.data(), rows);
+      DeviceBuffer ds = upload(spec);
       cudaEvent_t e0, e1;
       cudaEventCreate(&e0);
       cudaEventCreate(&e1);
-      for (int i = 0; i < 3; ++i)
-        ASSERT_EQ(ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(),
-                                         dout.get<ops::SampleResult>(), st()), 0);
-      const int iters = 20;
-      cudaEventRecord(e0, st());
-      for (int i = 0; i < iters; ++i)
-        ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(), dout.get<ops::SampleResult>(), st());
-      cudaEventRecord(e1, st());
-      cudaEventSynchronize(e1);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, e0, e1);
-      const double us = 1e3 * ms / iters, floor_us = 1e6 * rows * V * 4.0 / 4.4e12;
-      char line[200];
-      std::snprintf(line, sizeof line, "[ gpu ] sample_rows V %lld rows %lld %s: %.1f us (HBM floor of one read %.2f us, %.1fx)\n",
-                    static_cast<long long>(V), static_cast<long long>(rows), T == 0 ? "greedy" : "T 0.7 top_p 0.9 draft",
-                    us, floor_us, us / floor_us);
+      double us[2];
+      for (int k = 0; k < 2; ++k) {
+        auto call = [&] {
+          return k == 0 ? ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(),
+                                                 dout.get<ops::SampleResult>(), scratch.get(), scratch.bytes(), st(), needs)
+                        : ops::cuda::sample_rows_one_cta(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(),
+                                                         dout.get<ops::SampleResult>(), st());
+        };
+        for (int i = 0; i < 3; ++i) ASSERT_EQ(call(), 0);
+        const int iters = 20;
+        cudaEventRecord(e0, st());
+        for (int i = 0; i < iters; ++i) call();
+        cudaEventRecord(e1, st());
+        cudaEventSynchronize(e1);
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        us[k] = 1e3 * ms / iters;
+      }
+      const double floor_us = 1e6 * rows * V * 4.0 / 4.4e12;
+      const char* what = mode == 0 ? "greedy" : mode == 1 ? "greedy logprob" : "T 0.7 top_p 0.9 draft logprob";
+      char line[240];
+      std::snprintf(line, sizeof line,
+                    "[ gpu ] sample_rows V %lld rows %lld %s: %.1f us (one-CTA kernel %.1f us; HBM floor of one read "
+                    "%.2f us, %.1fx)\n",
+                    static_cast<long long>(V), static_cast<long long>(rows), what, us[0], us[1], floor_us,
+                    us[0] / floor_us);
       report(line);
       cudaEventDestroy(e0);
       cudaEventDestroy(e1);

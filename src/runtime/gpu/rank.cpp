@@ -64,6 +64,8 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
   d_agree_ = DeviceBuffer(256);
   d_spec_ = DeviceBuffer(R * sizeof(ops::SampleSpec));
   d_sampled_ = DeviceBuffer(R * sizeof(ops::SampleResult));
+  sample_scratch_ = DeviceBuffer(cu::sample_rows_scratch_bytes(R, V));
+  CUDA_CHECK(cudaMemsetAsync(sample_scratch_.get(), 0, sample_scratch_.bytes(), ctx_.stream));
   const size_t pinned = static_cast<size_t>(R * 4 * 3 + o.max_batch * 4 * 5 + int64_t{o.max_batch} * max_pages_ * 4);
   CUDA_CHECK(cudaMallocHost(&pinned_, std::max<size_t>(pinned, 256)));
   // Activations.
@@ -219,7 +221,8 @@ std::vector<ops::SampleResult> GpuRank::sample(std::span<const ops::SampleSpec> 
   CUDA_CHECK(cudaMemcpyAsync(d_spec_.get(), spec.data(), rows * sizeof(ops::SampleSpec), cudaMemcpyHostToDevice,
                              ctx_.stream));
   K3_LAUNCH(cu::sample_rows(logits_.get<float>(), rows, c_.vocab_size, d_spec_.get<ops::SampleSpec>(),
-                            d_sampled_.get<ops::SampleResult>(), ctx_.stream));
+                            d_sampled_.get<ops::SampleResult>(), sample_scratch_.get(), sample_scratch_.bytes(),
+                            ctx_.stream, ops::sample_needs(spec.data(), rows)));
   CUDA_CHECK(cudaMemcpyAsync(out.data(), d_sampled_.get(), rows * sizeof(ops::SampleResult), cudaMemcpyDeviceToHost,
                              ctx_.stream));
   CUDA_CHECK(cudaStreamSynchronize(ctx_.stream));

@@ -137,6 +137,7 @@ class GpuRank final : private StepBackend {
   DeviceBuffer ep_ones_;  // F32 [W ep_cap] = 1: the weights of the received pairs
   // Step metadata (device) and its pinned staging.
   DeviceBuffer d_tokens_, d_slots_, d_pos0_, d_ctx_, d_ctx_local_, d_tables_, d_accepted_, d_agree_, d_spec_, d_sampled_;
+  DeviceBuffer sample_scratch_;  // ops::cuda::sample_rows' (zeroed once, at allocation)
   // [2][max_batch]: each request's KDA state to read (the slot's current) and to write (GpuCaches::read_state /
   // write_state), rewritten by prepare() and commit() like d_slots_, so graphs stay valid across flips.
   DeviceBuffer d_state_idx_;
