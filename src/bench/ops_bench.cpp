@@ -361,6 +361,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         // DSA: scores over every cached key, top-2048, attention over the selection.
         DeviceBuffer qi = random_buffer(int64_t{B} * Hi * Di * 2, 0, s, 14), wi = random_buffer(B * Hi * 4, 1, s, 15);
         DeviceBuffer scores(int64_t{B} * ctxlen * 4), sel(int64_t{B} * topk * 4), cnt(B * 4);
+        DeviceBuffer topk_scratch(cu::topk_indices_scratch_bytes(B));
+        CUDA_CHECK(cudaMemsetAsync(topk_scratch.get(), 0, topk_scratch.bytes(), s));
         const size_t sbi = cu::mla_attend_indexed_scratch_bytes(B, H, R, topk);
         DeviceBuffer scratch_i(std::max<size_t>(sbi, 256));
         const double t_scores = time_us(s, [&] {
@@ -370,7 +372,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         });
         const double t_topk = time_us(s, [&] {
           K3_OK(cu::topk_indices(scores.get<float>(), ctxlen, d_ctx.get<int32_t>(), B, topk, sel.get<int32_t>(),
-                                 cnt.get<int32_t>(), s));
+                                 cnt.get<int32_t>(), topk_scratch.get(), topk_scratch.bytes(), s));
         });
         const double t_sparse = time_us(s, [&] {
           K3_OK(cu::mla_attend_indexed(qlat.get<bf16>(), kv.get<bf16>(), d_tables.get<int32_t>(),

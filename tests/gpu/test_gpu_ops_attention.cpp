@@ -46,6 +46,18 @@ void expect_no_nan(const std::vector<float>& v, const char* what) {
     }
 }
 
+// The split top-k's scratch for up to 512 rows, zeroed once (as its contract asks) and shared by every test
+// here: each call must leave it reusable, whatever the shape of the call before.
+constexpr int64_t kTopkMaxRows = 512;
+DeviceBuffer& topk_scratch() {
+  static DeviceBuffer b = [] {
+    DeviceBuffer d(ops::cuda::topk_indices_scratch_bytes(kTopkMaxRows));
+    CUDA_CHECK(cudaMemset(d.get(), 0, d.bytes()));
+    return d;
+  }();
+  return b;
+}
+
 // ---------------------------------------------------------------- MLA absorb / unabsorb
 
 struct MlaProj {
@@ -400,7 +412,7 @@ TEST_P(DsaIndexerCuda, ScoresAndTopkMatchCpu) {
                                           q, max_ctx, Hi, Di, d_scores.get<float>(), st()));
   DeviceBuffer d_idx(static_cast<size_t>(T * k) * sizeof(int32_t)), d_cnt(static_cast<size_t>(T) * sizeof(int32_t));
   K3_CU(ops::cuda::topk_indices(d_scores.get<float>(), max_ctx, d_ctx.get<int32_t>(), T, k, d_idx.get<int32_t>(),
-                                d_cnt.get<int32_t>(), st()));
+                                d_cnt.get<int32_t>(), topk_scratch().get(), topk_scratch().bytes(), st()));
   const auto scores = down_f32(d_scores, static_cast<size_t>(T * max_ctx));
   const auto idx = down_i32(d_idx, static_cast<size_t>(T * k));
   const auto cnt = down_i32(d_cnt, static_cast<size_t>(T));
@@ -478,23 +490,30 @@ TEST(TopkCuda, MatchesCpuExactlyOnCraftedRows) {
   std::vector<int32_t> n32(ns.begin(), ns.end());
   auto d_scores = upload(scores);
   auto d_n = upload(n32);
-  for (int k : {2048, 100, 1}) {
-    DeviceBuffer d_idx(static_cast<size_t>(T * k) * sizeof(int32_t)), d_cnt(static_cast<size_t>(T) * sizeof(int32_t));
-    K3_CU(ops::cuda::topk_indices(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
-                                  d_cnt.get<int32_t>(), st()));
-    const auto idx = down_i32(d_idx, static_cast<size_t>(T * k));
-    const auto cnt = down_i32(d_cnt, static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) {
-      const int n = ns[static_cast<size_t>(t)];
-      std::vector<int64_t> want(static_cast<size_t>(std::max(n, 1)));
-      const int64_t m = ops::topk_indices(&scores[static_cast<size_t>(t * ld)], n, k, want.data());
-      ASSERT_EQ(cnt[static_cast<size_t>(t)], m) << "k " << k << " row " << t;
-      for (int j = 0; j < k; ++j) {
-        const int32_t expect = j < m ? static_cast<int32_t>(want[static_cast<size_t>(j)]) : -1;
-        ASSERT_EQ(idx[static_cast<size_t>(t * k + j)], expect) << "k " << k << " row " << t << " rank " << j;
+  for (int k : {2048, 100, 1})
+    for (int one_cta = 0; one_cta < 2; ++one_cta) {  // the split kernel, then the one-CTA kernel it replaced
+      DeviceBuffer d_idx(static_cast<size_t>(T * k) * sizeof(int32_t)),
+          d_cnt(static_cast<size_t>(T) * sizeof(int32_t));
+      if (one_cta)
+        K3_CU(ops::cuda::topk_indices_one_cta(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k,
+                                              d_idx.get<int32_t>(), d_cnt.get<int32_t>(), st()));
+      else
+        K3_CU(ops::cuda::topk_indices(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
+                                      d_cnt.get<int32_t>(), topk_scratch().get(), topk_scratch().bytes(), st()));
+      const auto idx = down_i32(d_idx, static_cast<size_t>(T * k));
+      const auto cnt = down_i32(d_cnt, static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t) {
+        const int n = ns[static_cast<size_t>(t)];
+        std::vector<int64_t> want(static_cast<size_t>(std::max(n, 1)));
+        const int64_t m = ops::topk_indices(&scores[static_cast<size_t>(t * ld)], n, k, want.data());
+        ASSERT_EQ(cnt[static_cast<size_t>(t)], m) << "one_cta " << one_cta << " k " << k << " row " << t;
+        for (int j = 0; j < k; ++j) {
+          const int32_t expect = j < m ? static_cast<int32_t>(want[static_cast<size_t>(j)]) : -1;
+          ASSERT_EQ(idx[static_cast<size_t>(t * k + j)], expect)
+              << "one_cta " << one_cta << " k " << k << " row " << t << " rank " << j;
+        }
       }
     }
-  }
 }
 
 }  // namespace
