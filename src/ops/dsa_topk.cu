@@ -305,7 +305,7 @@ __device__ void hist_pass(const Params& p, int64_t r, const float* __restrict__ 
     o.gt += static_cast<int>(sh.sel_above);
     o.need -= static_cast<int>(sh.sel_above);
     // The launcher's pass list ends where a bin holds at most 2^11 pairs, so the last pass always gathers.
-    if (o.gt + static_cast<int>(sh.sel_count) <= kCap || ps + 1 >= p.passes) {
+    if (int64_t{o.gt} + sh.sel_count <= kCap || ps + 1 >= p.passes) {
       o.stage = kGather;
     } else {
       o.stage = kHist;
