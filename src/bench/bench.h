@@ -37,7 +37,7 @@ struct BenchArgs {
   int iters = 50;
   uint64_t seed = 1;
   bool ops = false;               // the decode kernels one by one (ops_bench.cpp) instead of steps
-  std::string ops_only;           // --ops: run this section only (linear, moe, kda, mla, sampling); empty: all
+  std::string ops_only;           // --ops: run this section only (linear, moe, kda, mla, sampling, dsa); empty: all
   bool profile = false;           // per-op-group breakdown of each point (eager, CUDA events)
   std::string json;               // write the records here
   std::string commit;             // recorded in the JSON

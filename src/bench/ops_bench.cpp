@@ -91,8 +91,9 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
   };
 
   K3_CHECK(args.ops_only.empty() || args.ops_only == "linear" || args.ops_only == "moe" ||
-               args.ops_only == "kda" || args.ops_only == "mla" || args.ops_only == "sampling",
-           "bench: --ops-only takes linear, moe, kda, mla or sampling, not '{}'", args.ops_only);
+               args.ops_only == "kda" || args.ops_only == "mla" || args.ops_only == "sampling" ||
+               args.ops_only == "dsa",
+           "bench: --ops-only takes linear, moe, kda, mla, sampling or dsa, not '{}'", args.ops_only);
   auto want = [&](const char* section) { return args.ops_only.empty() || args.ops_only == section; };
 
   // 1. Projections: hand-written kernel vs cuBLASLt vs the chosen path.
@@ -363,6 +364,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         // DSA: scores over every cached key, top-2048, attention over the selection.
         DeviceBuffer qi = random_buffer(int64_t{B} * Hi * Di * 2, 0, s, 14), wi = random_buffer(B * Hi * 4, 1, s, 15);
         DeviceBuffer scores(int64_t{B} * ctxlen * 4), sel(int64_t{B} * topk * 4), cnt(B * 4);
+        DeviceBuffer topk_scratch(cu::topk_indices_scratch_bytes(B));
+        CUDA_CHECK(cudaMemsetAsync(topk_scratch.get(), 0, topk_scratch.bytes(), s));
         const size_t sbi = cu::mla_attend_indexed_scratch_bytes(B, H, R, topk);
         DeviceBuffer scratch_i(std::max<size_t>(sbi, 256));
         const double t_scores = time_us(s, [&] {
@@ -372,7 +375,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         });
         const double t_topk = time_us(s, [&] {
           K3_OK(cu::topk_indices(scores.get<float>(), ctxlen, d_ctx.get<int32_t>(), B, topk, sel.get<int32_t>(),
-                                 cnt.get<int32_t>(), s));
+                                 cnt.get<int32_t>(), topk_scratch.get(), topk_scratch.bytes(), s));
         });
         const double t_sparse = time_us(s, [&] {
           K3_OK(cu::mla_attend_indexed(qlat.get<bf16>(), kv.get<bf16>(), d_tables.get<int32_t>(),
@@ -458,6 +461,40 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
                {{"rows", rows}, {"vocab", V}, {"mode", what}, {"one_cta_us", one_us}});
       }
     }
+  // 6. DSA top-k alone (top-2048 of each row's scores): the split kernel beside the one-CTA kernel it replaced.
+  // Floor: one read of the scores and the indices written. Rows of uniform random scores (one histogram pass
+  // and the gather), and rows of one repeated value (every pass, the tie broken on the index bits: the
+  // worst case). Scores under 50 MB stay in L2 across the 20 launches of a graph.
+  if (want("dsa")) {
+    fmt::print("\nDSA top-k (k = 2048 of each row's scores, F32): split kernel vs one CTA per row\n");
+    const int topk = 2048;
+    for (int64_t ctxlen : {int64_t{8192}, int64_t{65536}, int64_t{131072}})
+      for (int rows : {1, 8, 64, 256})
+        for (int ties = 0; ties < 2; ++ties) {
+          if (ties && rows != 8) continue;
+          const int64_t n = int64_t{rows} * ctxlen;
+          DeviceBuffer scores = random_buffer(n * 4, 1, s, 21 + ties);
+          if (ties) CUDA_CHECK(static_cast<cudaError_t>(bench::fill(scores.get(), n, 1, 0.5f, 0.0f, 22, s)));
+          std::vector<int32_t> ctxv(static_cast<size_t>(rows), static_cast<int32_t>(ctxlen));
+          DeviceBuffer d_n(int64_t{rows} * 4), sel(int64_t{rows} * topk * 4), cnt(int64_t{rows} * 4);
+          CUDA_CHECK(cudaMemcpy(d_n.get(), ctxv.data(), ctxv.size() * 4, cudaMemcpyHostToDevice));
+          DeviceBuffer scratch(cu::topk_indices_scratch_bytes(rows));
+          CUDA_CHECK(cudaMemsetAsync(scratch.get(), 0, scratch.bytes(), s));
+          const double us = time_us(s, [&] {
+            K3_OK(cu::topk_indices(scores.get<float>(), ctxlen, d_n.get<int32_t>(), rows, topk, sel.get<int32_t>(),
+                                   cnt.get<int32_t>(), scratch.get(), scratch.bytes(), s));
+          });
+          const double us_one = time_us(s, [&] {
+            K3_OK(cu::topk_indices_one_cta(scores.get<float>(), ctxlen, d_n.get<int32_t>(), rows, topk,
+                                           sel.get<int32_t>(), cnt.get<int32_t>(), s));
+          });
+          const double bytes = double(n) * 4 + double(rows) * topk * 4;
+          const double floor_us = bytes / bw * 1e6;
+          fmt::print("  ctx {:>6} rows {:>3}{}: split {:>7.1f} us, one-CTA {:>7.1f} us, floor {:>6.1f} us, {:>5.0f}%\n",
+                     ctxlen, rows, ties ? " (ties)" : "       ", us, us_one, floor_us, 100 * floor_us / us);
+          record("dsa_topk", fmt::format("ctx{} rows{}{}", ctxlen, rows, ties ? " ties" : ""), us, bytes,
+                 {{"context", ctxlen}, {"rows", rows}, {"k", topk}, {"ties", ties != 0}, {"one_cta_us", us_one}});
+        }
   }
   if (!args.json.empty()) {
     std::ofstream out(args.json);

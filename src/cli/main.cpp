@@ -261,7 +261,7 @@ int main(int argc, char** argv) {
   bench->add_option("--json", ba.json, "write one record per point");
   bench->add_flag("--profile", ba.profile, "per-op-group breakdown of every point");
   bench->add_flag("--ops", ba.ops, "the decode kernels one by one at K3 per-rank shapes, beside their floors");
-  bench->add_option("--ops-only", ba.ops_only, "with --ops: one section only (linear, moe, kda, mla or sampling)");
+  bench->add_option("--ops-only", ba.ops_only, "with --ops: one section only (linear, moe, kda, mla, sampling or dsa)");
   bench->add_option("--commit", ba.commit, "commit id recorded in the JSON");
 #endif
 

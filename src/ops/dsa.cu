@@ -8,7 +8,8 @@
 //     all heads as M tiles), then relu, weighted by w_h and summed over the heads in FP32
 //     (in-thread, then over the 8 row groups of the warp with shuffles). Columns past the
 //     token's context get -inf.
-//   topk_indices: one CTA of 1024 threads per row. A radix select (4 passes of 8 bits over
+//   topk_indices_one_cta: one CTA of 1024 threads per row (the reference of the split topk_indices,
+//     dsa_topk.cu). A radix select (4 passes of 8 bits over
 //     order-preserving keys, NaN as -inf, -0 as +0) finds the k-th largest key; the keys
 //     above it and the lowest-index ties equal to it (a block scan in index order) are
 //     gathered as 64-bit (key, ~index) pairs and bitonic-sorted descending in shared
@@ -378,8 +379,8 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
   return cudaGetLastError();
 }
 
-int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx, int32_t* count,
-                 CUstream_st* stream) {
+int topk_indices_one_cta(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx,
+                         int32_t* count, CUstream_st* stream) {
   if (T < 0 || ld < 0 || k < 0 || k > kTopkMax || T > 0x7fffffffLL) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   topk_kernel<<<static_cast<unsigned>(T), kTopkThreads, 0, stream>>>(scores, ld, n, k, idx, count);

@@ -9,6 +9,7 @@
 // The MLA attention then runs over the selected entries (ops/mla.h, mla_attend).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "core/bf16.h"
@@ -39,8 +40,25 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
 
 // Row t of scores F32 [T, ld] has n[t] candidates (columns [0, n[t]), n[t] <= ld): idx int32 [T, k] receives the
 // min(k, n[t]) columns of the largest scores, by score descending, ties to the lower column, NaN ranked as -inf
-// (the CPU topk_indices); the rest of the row is -1. count int32 [T] = min(k, n[t]). k <= 2048.
+// and -0 as +0 (the CPU topk_indices); the rest of the row is -1. count int32 [T] = min(k, n[t]). k <= 2048,
+// ld < 2^31.
+//
+// Each row is split over several CTAs (dsa_topk.cu): ctas_per_row 0 chooses the split from T, ld and the
+// device's SM count (about two CTAs per SM over all rows, at least 2048 columns each; one CTA per row from
+// ~2 SMs rows on); > 0 forces that many (at least 4 columns each), for the tests. The result does not depend
+// on the split. Up to 6 kernels in stream order (1 when ld <= 4096), no allocation, no host synchronization:
+// capturable in a CUDA graph.
+//
+// scratch: topk_indices_scratch_bytes(T) bytes or more, 16-byte aligned, ZEROED ONCE before its first use
+// (cudaMemset); every call leaves its counters and histograms back at zero, so it needs no clearing between
+// calls, whatever T and ld. One scratch per stream: calls on one scratch must not overlap.
+size_t topk_indices_scratch_bytes(int64_t max_rows);
 int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx, int32_t* count,
-                 CUstream_st* stream);
+                 void* scratch, size_t scratch_bytes, CUstream_st* stream, int64_t ctas_per_row = 0);
+
+// The previous kernel, one CTA of 1024 threads per row (5 passes over the row): the same contract without a
+// scratch, kept as the reference the split kernel is tested and benchmarked against.
+int topk_indices_one_cta(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx,
+                         int32_t* count, CUstream_st* stream);
 
 }  // namespace k3::ops::cuda

@@ -46,6 +46,18 @@ void expect_no_nan(const std::vector<float>& v, const char* what) {
     }
 }
 
+// The split top-k's scratch for up to 512 rows, zeroed once (as its contract asks) and shared by every test
+// here: each call must leave it reusable, whatever the shape of the call before.
+constexpr int64_t kTopkMaxRows = 512;
+DeviceBuffer& topk_scratch() {
+  static DeviceBuffer b = [] {
+    DeviceBuffer d(ops::cuda::topk_indices_scratch_bytes(kTopkMaxRows));
+    CUDA_CHECK(cudaMemset(d.get(), 0, d.bytes()));
+    return d;
+  }();
+  return b;
+}
+
 // ---------------------------------------------------------------- MLA absorb / unabsorb
 
 struct MlaProj {
@@ -400,7 +412,7 @@ TEST_P(DsaIndexerCuda, ScoresAndTopkMatchCpu) {
                                           q, max_ctx, Hi, Di, d_scores.get<float>(), st()));
   DeviceBuffer d_idx(static_cast<size_t>(T * k) * sizeof(int32_t)), d_cnt(static_cast<size_t>(T) * sizeof(int32_t));
   K3_CU(ops::cuda::topk_indices(d_scores.get<float>(), max_ctx, d_ctx.get<int32_t>(), T, k, d_idx.get<int32_t>(),
-                                d_cnt.get<int32_t>(), st()));
+                                d_cnt.get<int32_t>(), topk_scratch().get(), topk_scratch().bytes(), st()));
   const auto scores = down_f32(d_scores, static_cast<size_t>(T * max_ctx));
   const auto idx = down_i32(d_idx, static_cast<size_t>(T * k));
   const auto cnt = down_i32(d_cnt, static_cast<size_t>(T));
@@ -478,23 +490,297 @@ TEST(TopkCuda, MatchesCpuExactlyOnCraftedRows) {
   std::vector<int32_t> n32(ns.begin(), ns.end());
   auto d_scores = upload(scores);
   auto d_n = upload(n32);
-  for (int k : {2048, 100, 1}) {
-    DeviceBuffer d_idx(static_cast<size_t>(T * k) * sizeof(int32_t)), d_cnt(static_cast<size_t>(T) * sizeof(int32_t));
-    K3_CU(ops::cuda::topk_indices(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
-                                  d_cnt.get<int32_t>(), st()));
-    const auto idx = down_i32(d_idx, static_cast<size_t>(T * k));
-    const auto cnt = down_i32(d_cnt, static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) {
-      const int n = ns[static_cast<size_t>(t)];
-      std::vector<int64_t> want(static_cast<size_t>(std::max(n, 1)));
-      const int64_t m = ops::topk_indices(&scores[static_cast<size_t>(t * ld)], n, k, want.data());
-      ASSERT_EQ(cnt[static_cast<size_t>(t)], m) << "k " << k << " row " << t;
-      for (int j = 0; j < k; ++j) {
-        const int32_t expect = j < m ? static_cast<int32_t>(want[static_cast<size_t>(j)]) : -1;
-        ASSERT_EQ(idx[static_cast<size_t>(t * k + j)], expect) << "k " << k << " row " << t << " rank " << j;
+  for (int k : {2048, 100, 1})
+    for (int one_cta = 0; one_cta < 2; ++one_cta) {  // the split kernel, then the one-CTA kernel it replaced
+      DeviceBuffer d_idx(static_cast<size_t>(T * k) * sizeof(int32_t)),
+          d_cnt(static_cast<size_t>(T) * sizeof(int32_t));
+      if (one_cta)
+        K3_CU(ops::cuda::topk_indices_one_cta(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k,
+                                              d_idx.get<int32_t>(), d_cnt.get<int32_t>(), st()));
+      else
+        K3_CU(ops::cuda::topk_indices(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
+                                      d_cnt.get<int32_t>(), topk_scratch().get(), topk_scratch().bytes(), st()));
+      const auto idx = down_i32(d_idx, static_cast<size_t>(T * k));
+      const auto cnt = down_i32(d_cnt, static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t) {
+        const int n = ns[static_cast<size_t>(t)];
+        std::vector<int64_t> want(static_cast<size_t>(std::max(n, 1)));
+        const int64_t m = ops::topk_indices(&scores[static_cast<size_t>(t * ld)], n, k, want.data());
+        ASSERT_EQ(cnt[static_cast<size_t>(t)], m) << "one_cta " << one_cta << " k " << k << " row " << t;
+        for (int j = 0; j < k; ++j) {
+          const int32_t expect = j < m ? static_cast<int32_t>(want[static_cast<size_t>(j)]) : -1;
+          ASSERT_EQ(idx[static_cast<size_t>(t * k + j)], expect)
+              << "one_cta " << one_cta << " k " << k << " row " << t << " rank " << j;
+        }
       }
     }
+}
+
+// ---------------------------------------------------------------- split top-k
+
+// Rows of the split top-k tests. Never all zeros; columns past a row's n hold 1e30 (ignored if the kernel
+// honours n).
+enum class TopkRow {
+  kDistinct,    // uniform in [-10, 10)
+  kFewValues,   // multiples of 0.25 in [0.25, 2.25]: ties everywhere, the threshold one of 9 values
+  kEdgeTies,    // ~n/32 scores above 2, then ~n/8 copies of 1.5 scattered over the row (over every CTA
+                // boundary), the rest below 1: the threshold is 1.5, taken by the lowest columns
+  kAllEqual,    // one value: the tie is broken on the column bits (every histogram pass)
+  kSpecials,    // mostly NaN and -inf (NaN ranks as -inf: one huge tie), some +inf, -0, +0, normals
+};
+constexpr int kTopkRowKinds = 5;
+
+void fill_topk_row(float* row, int64_t n, TopkRow kind, Rng& r) {
+  switch (kind) {
+    case TopkRow::kDistinct:
+      for (int64_t i = 0; i < n; ++i) row[i] = static_cast<float>(r.uniform(-10, 10));
+      break;
+    case TopkRow::kFewValues:
+      for (int64_t i = 0; i < n; ++i) row[i] = 0.25f * static_cast<float>(1 + r.below(9));
+      break;
+    case TopkRow::kEdgeTies:
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t u = r.below(32);
+        row[i] = u == 0 ? static_cast<float>(r.uniform(2, 3)) : u < 5 ? 1.5f : static_cast<float>(r.uniform(-1, 1));
+      }
+      break;
+    case TopkRow::kAllEqual:
+      for (int64_t i = 0; i < n; ++i) row[i] = 0.75f;
+      break;
+    case TopkRow::kSpecials:
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t u = r.below(20);
+        row[i] = u < 8    ? kNaN
+                 : u < 16 ? -INFINITY
+                 : u == 16 ? INFINITY
+                 : u == 17 ? -0.0f
+                 : u == 18 ? 0.0f
+                           : static_cast<float>(r.normal());
+      }
+      break;
   }
+}
+
+struct TopkOut {
+  std::vector<int32_t> idx, cnt;
+};
+
+// The split kernel (ctas_per_row >= 0; 0: its own split) or the one-CTA kernel (< 0) on device scores, with
+// sentinels past idx and count that must stay untouched.
+TopkOut run_topk(const DeviceBuffer& d_scores, int64_t ld, const DeviceBuffer& d_n, int64_t T, int k,
+                 int64_t ctas_per_row) {
+  constexpr int32_t kSentinel = 0x5a5a5a5a;
+  constexpr size_t kGuard = 64;
+  const size_t ni = static_cast<size_t>(T * k);
+  auto d_idx = upload(std::vector<int32_t>(ni + kGuard, kSentinel));
+  auto d_cnt = upload(std::vector<int32_t>(static_cast<size_t>(T) + kGuard, kSentinel));
+  int rc;
+  if (ctas_per_row < 0)
+    rc = ops::cuda::topk_indices_one_cta(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
+                                         d_cnt.get<int32_t>(), st());
+  else
+    rc = ops::cuda::topk_indices(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
+                                 d_cnt.get<int32_t>(), topk_scratch().get(), topk_scratch().bytes(), st(),
+                                 ctas_per_row);
+  EXPECT_EQ(rc, 0) << "topk launch, ctas_per_row " << ctas_per_row;
+  TopkOut o;
+  o.idx = down_i32(d_idx, ni + kGuard);
+  o.cnt = down_i32(d_cnt, static_cast<size_t>(T) + kGuard);
+  for (size_t i = 0; i < kGuard; ++i) {
+    EXPECT_EQ(o.idx[ni + i], kSentinel) << "write past idx at " << i;
+    EXPECT_EQ(o.cnt[static_cast<size_t>(T) + i], kSentinel) << "write past count at " << i;
+  }
+  o.idx.resize(ni);
+  o.cnt.resize(static_cast<size_t>(T));
+  return o;
+}
+
+// The CPU topk_indices of every row, exactly (count, set, order, -1 padding).
+::testing::AssertionResult topk_matches_cpu(const std::vector<float>& scores, int64_t ld,
+                                            const std::vector<int32_t>& n, int k, const TopkOut& got) {
+  const int64_t T = static_cast<int64_t>(n.size());
+  std::vector<int64_t> want;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t nt = n[static_cast<size_t>(t)];
+    want.assign(static_cast<size_t>(std::max<int64_t>(nt, 1)), -7);
+    const int64_t m = ops::topk_indices(&scores[static_cast<size_t>(t * ld)], nt, k, want.data());
+    if (got.cnt[static_cast<size_t>(t)] != m)
+      return ::testing::AssertionFailure() << "row " << t << " (n " << nt << "): count " << got.cnt[t] << ", want " << m;
+    for (int j = 0; j < k; ++j) {
+      const int32_t expect = j < m ? static_cast<int32_t>(want[static_cast<size_t>(j)]) : -1;
+      const int32_t g = got.idx[static_cast<size_t>(t * k + j)];
+      if (g != expect)
+        return ::testing::AssertionFailure() << "row " << t << " (n " << nt << ") rank " << j << ": " << g
+                                             << ", want " << expect;
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Every size around the split's edges (k - 1, k, k + 1, the gather-at-once limit 4096, one CTA's chunk,
+// 64k, 64k + 1: one more column bit, 128k), 1 and 8 rows (ragged n), each row kind, the automatic split and
+// forced ones (3 CTAs a row; 64: chunks of 4 to 2048 columns, ties across many CTA boundaries); the one-CTA
+// kernel must agree bit for bit.
+TEST(TopkSplitCuda, MatchesCpuOverSizesRowsAndSplits) {
+  K3_REQUIRE_GPU();
+  const int k = 2048;
+  for (int64_t ld : {int64_t{1}, int64_t{7}, int64_t{k - 1}, int64_t{k}, int64_t{k + 1}, int64_t{4096},
+                     int64_t{4097}, int64_t{5000}, int64_t{65536}, int64_t{65537}, int64_t{131072}})
+    for (int64_t T : {int64_t{1}, int64_t{8}}) {
+      Rng r(static_cast<uint64_t>(ld * 31 + T));
+      std::vector<float> scores(static_cast<size_t>(T * ld), 1e30f);
+      std::vector<int32_t> n(static_cast<size_t>(T));
+      for (int64_t t = 0; t < T; ++t) {
+        // Row 0 full; the others ragged (some short of k, some of the gather-at-once limit).
+        const int64_t nt = t == 0 ? ld : static_cast<int64_t>(r.below(static_cast<uint64_t>(ld) + 1));
+        n[static_cast<size_t>(t)] = static_cast<int32_t>(nt);
+        fill_topk_row(&scores[static_cast<size_t>(t * ld)], nt, static_cast<TopkRow>((t + ld) % kTopkRowKinds), r);
+      }
+      auto d_scores = upload(scores);
+      auto d_n = upload(n);
+      const TopkOut ref = run_topk(d_scores, ld, d_n, T, k, -1);
+      ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, ref)) << "one-CTA kernel, ld " << ld << " T " << T;
+      for (int64_t ctas : {int64_t{0}, int64_t{3}, int64_t{64}}) {
+        const TopkOut got = run_topk(d_scores, ld, d_n, T, k, ctas);
+        ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, got)) << "ld " << ld << " T " << T << " ctas " << ctas;
+        ASSERT_EQ(got.idx, ref.idx) << "ld " << ld << " T " << T << " ctas " << ctas;
+        ASSERT_EQ(got.cnt, ref.cnt) << "ld " << ld << " T " << T << " ctas " << ctas;
+      }
+    }
+}
+
+// Smaller k (the threshold bin then holds few of the row's ties), and every row kind alone at 64k + 1.
+TEST(TopkSplitCuda, MatchesCpuAtEveryKAndRowKind) {
+  K3_REQUIRE_GPU();
+  const int64_t ld = 65537;
+  const int64_t T = kTopkRowKinds;
+  Rng r(91);
+  std::vector<float> scores(static_cast<size_t>(T * ld));
+  std::vector<int32_t> n(static_cast<size_t>(T), static_cast<int32_t>(ld));
+  for (int64_t t = 0; t < T; ++t) fill_topk_row(&scores[static_cast<size_t>(t * ld)], ld, static_cast<TopkRow>(t), r);
+  auto d_scores = upload(scores);
+  auto d_n = upload(n);
+  for (int k : {1, 2, 777, 2047, 2048})
+    for (int64_t ctas : {int64_t{0}, int64_t{1}, int64_t{33}}) {
+      const TopkOut got = run_topk(d_scores, ld, d_n, T, k, ctas);
+      ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, got)) << "k " << k << " ctas " << ctas;
+    }
+}
+
+// 300 rows (more than two per SM: one CTA a row by default), ragged n from 0 to 64k + 1, every row kind; the
+// automatic split and 7 CTAs a row.
+TEST(TopkSplitCuda, ManyRaggedRows) {
+  K3_REQUIRE_GPU();
+  const int k = 2048;
+  const int64_t ld = 65537, T = 300;
+  Rng r(92);
+  std::vector<float> scores(static_cast<size_t>(T * ld), 1e30f);
+  std::vector<int32_t> n(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) {
+    const uint64_t u = r.below(8);
+    const int64_t nt = u == 0   ? static_cast<int64_t>(r.below(3))                // 0, 1, 2
+                       : u == 1 ? static_cast<int64_t>(r.below(2 * k + 2))          // around k and 4096
+                       : u == 2 ? ld
+                                : static_cast<int64_t>(r.below(static_cast<uint64_t>(ld) + 1));
+    n[static_cast<size_t>(t)] = static_cast<int32_t>(nt);
+    fill_topk_row(&scores[static_cast<size_t>(t * ld)], nt, static_cast<TopkRow>(t % kTopkRowKinds), r);
+  }
+  auto d_scores = upload(scores);
+  auto d_n = upload(n);
+  for (int64_t ctas : {int64_t{0}, int64_t{7}}) {
+    const TopkOut got = run_topk(d_scores, ld, d_n, T, k, ctas);
+    ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, got)) << "ctas " << ctas;
+  }
+}
+
+// The same call repeated (eager, and as a CUDA graph replayed), with calls of other shapes on the same
+// scratch in between: bit-identical results every time (the scratch is left clean; nothing depends on timing).
+TEST(TopkSplitCuda, RepeatedCallsAndGraphReplaysAreIdentical) {
+  K3_REQUIRE_GPU();
+  const int k = 2048;
+  const int64_t ld = 131072, T = 8;
+  Rng r(93);
+  std::vector<float> scores(static_cast<size_t>(T * ld));
+  std::vector<int32_t> n(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) {
+    n[static_cast<size_t>(t)] = static_cast<int32_t>(ld - t * 4099);
+    fill_topk_row(&scores[static_cast<size_t>(t * ld)], ld, static_cast<TopkRow>(t % kTopkRowKinds), r);
+  }
+  auto d_scores = upload(scores);
+  auto d_n = upload(n);
+  // Another shape: 300 rows of 5000 distinct scores.
+  const int64_t ld2 = 5000, T2 = 300;
+  std::vector<float> other(static_cast<size_t>(T2 * ld2));
+  for (auto& x : other) x = static_cast<float>(r.uniform(-1, 1));
+  auto d_other = upload(other);
+  auto d_n2 = upload(std::vector<int32_t>(static_cast<size_t>(T2), static_cast<int32_t>(ld2)));
+
+  const TopkOut first = run_topk(d_scores, ld, d_n, T, k, 0);
+  ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, first));
+  for (int rep = 0; rep < 3; ++rep) {
+    (void)run_topk(d_other, ld2, d_n2, T2, k, rep == 1 ? 5 : 0);
+    const TopkOut again = run_topk(d_scores, ld, d_n, T, k, 0);
+    ASSERT_EQ(again.idx, first.idx) << "repeat " << rep;
+    ASSERT_EQ(again.cnt, first.cnt) << "repeat " << rep;
+  }
+  // Captured once, replayed three times into zeroed outputs.
+  DeviceBuffer d_idx(static_cast<size_t>(T * k) * sizeof(int32_t)), d_cnt(static_cast<size_t>(T) * sizeof(int32_t));
+  cudaStream_t s = stream();
+  cudaGraph_t g;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const int rc = ops::cuda::topk_indices(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
+                                         d_cnt.get<int32_t>(), topk_scratch().get(), topk_scratch().bytes(), st());
+  ASSERT_EQ(cudaStreamEndCapture(s, &g), cudaSuccess);
+  ASSERT_EQ(rc, 0);
+  cudaGraphExec_t e;
+  ASSERT_EQ(cudaGraphInstantiate(&e, g, 0), cudaSuccess);
+  for (int rep = 0; rep < 3; ++rep) {
+    ASSERT_EQ(cudaMemsetAsync(d_idx.get(), 0, d_idx.bytes(), s), cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(d_cnt.get(), 0, d_cnt.bytes(), s), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(e, s), cudaSuccess);
+    ASSERT_EQ(down_i32(d_idx, static_cast<size_t>(T * k)), first.idx) << "graph replay " << rep;
+    ASSERT_EQ(down_i32(d_cnt, static_cast<size_t>(T)), first.cnt) << "graph replay " << rep;
+  }
+  cudaGraphExecDestroy(e);
+  cudaGraphDestroy(g);
+}
+
+// Small enough for compute-sanitizer (memcheck, racecheck): 3 rows of 9000 (one histogram pass, every pass with
+// the column bits, the NaN / -inf tie), each split 1, 3 and 40 ways, k 2048 and 5.
+TEST(TopkSplitCuda, SmallRowsForTheSanitizer) {
+  K3_REQUIRE_GPU();
+  const int64_t ld = 9000, T = 3;
+  Rng r(94);
+  std::vector<float> scores(static_cast<size_t>(T * ld));
+  const TopkRow kinds[3] = {TopkRow::kEdgeTies, TopkRow::kAllEqual, TopkRow::kSpecials};
+  for (int64_t t = 0; t < T; ++t) fill_topk_row(&scores[static_cast<size_t>(t * ld)], ld, kinds[t], r);
+  const std::vector<int32_t> n = {9000, 8999, 6000};
+  auto d_scores = upload(scores);
+  auto d_n = upload(n);
+  for (int k : {2048, 5})
+    for (int64_t ctas : {int64_t{1}, int64_t{3}, int64_t{40}}) {
+      const TopkOut got = run_topk(d_scores, ld, d_n, T, k, ctas);
+      ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, got)) << "k " << k << " ctas " << ctas;
+    }
+}
+
+// Bad arguments are refused before any launch.
+TEST(TopkSplitCuda, RejectsBadArguments) {
+  K3_REQUIRE_GPU();
+  DeviceBuffer d_scores(64 * sizeof(float)), d_n(4 * sizeof(int32_t)), d_idx(4 * 2048 * sizeof(int32_t)),
+      d_cnt(4 * sizeof(int32_t));
+  void* sc = topk_scratch().get();
+  const size_t sb = topk_scratch().bytes();
+  auto call = [&](int64_t T, int k, void* scratch, size_t bytes) {
+    return ops::cuda::topk_indices(d_scores.get<float>(), 16, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
+                                   d_cnt.get<int32_t>(), scratch, bytes, st());
+  };
+  EXPECT_NE(call(4, 2049, sc, sb), 0);                                                   // k > 2048
+  EXPECT_NE(call(4, 16, nullptr, sb), 0);                                                // no scratch
+  EXPECT_NE(call(4, 16, sc, ops::cuda::topk_indices_scratch_bytes(4) - 1), 0);          // too small
+  EXPECT_NE(call(kTopkMaxRows + 1, 16, sc, sb), 0);                                      // rows beyond it
+  EXPECT_NE(call(4, 16, static_cast<char*>(sc) + 4, sb - 4), 0);                         // misaligned
+  EXPECT_EQ(call(0, 16, sc, sb), 0);                                                     // nothing to do
 }
 
 }  // namespace

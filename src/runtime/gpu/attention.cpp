@@ -129,7 +129,8 @@ void GpuRank::mla(int l, const bf16* x, bf16* out) {
     const int max_ctx = static_cast<int>(max_ctx_);
     K3_LAUNCH(cu::dsa_index_scores_paged(a.qi, a.wi, caches_.index_keys(l), d_tables_.get<int32_t>(), max_pages_, ps,
                                          ctx_here, B_, q_, max_ctx, Hi, Di, a.scores, s));
-    K3_LAUNCH(cu::topk_indices(a.scores, max_ctx, ctx_here, rows, topk, a.sel, a.cnt, s));
+    K3_LAUNCH(cu::topk_indices(a.scores, max_ctx, ctx_here, rows, topk, a.sel, a.cnt, topk_scratch_.get(),
+                               topk_scratch_.bytes(), s));
     if (Dc > 1) {
       // The global top-k (ops/dcp.h): local candidates, all-gathered, the same selection on every
       // member, then the selected positions held here as local indices.
@@ -139,7 +140,8 @@ void GpuRank::mla(int l, const bf16* x, bf16* out) {
       coll_.dcp_all_gather(a.cand_p, a.all_p, rows * topk, DType::I32);
       mark("dsa.indexer_attend");
       K3_LAUNCH(cu::dcp_scatter_candidates(a.all_s, a.all_p, Dc, rows, topk, max_ctx, a.scores, s));
-      K3_LAUNCH(cu::topk_indices(a.scores, max_ctx, d_ctx_.get<int32_t>(), rows, topk, a.sel_g, a.cnt_g, s));
+      K3_LAUNCH(cu::topk_indices(a.scores, max_ctx, d_ctx_.get<int32_t>(), rows, topk, a.sel_g, a.cnt_g,
+                                 topk_scratch_.get(), topk_scratch_.bytes(), s));
       K3_LAUNCH(cu::dcp_local_selection(a.sel_g, a.cnt_g, rows, topk, Dc, dr, a.sel, a.cnt, s));
     }
     for (int mb = 0; mb < Dc; ++mb)

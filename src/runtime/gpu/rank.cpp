@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "ops/attn_res.h"
+#include "ops/dsa.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
@@ -83,6 +84,10 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
   step_ = carve_step(tail, c, dims_);
   attn_scratch_bytes_ = ws.attention_bytes;
   attn_scratch_ = DeviceBuffer(std::max<size_t>(attn_scratch_bytes_, 256));
+  if (c.dsa) {  // the split top-k's counters and histograms: zero before its first call, left zero by every call
+    topk_scratch_ = DeviceBuffer(cu::topk_indices_scratch_bytes(R));
+    CUDA_CHECK(cudaMemsetAsync(topk_scratch_.get(), 0, topk_scratch_.bytes(), ctx_.stream));
+  }
 }
 
 GpuRank::~GpuRank() {

@@ -151,6 +151,7 @@ class GpuRank final : private StepBackend {
   // Activations and scratch.
   DeviceBuffer P_, blocks_, x_, a_, f_, logits_, work_, attn_scratch_;
   size_t layer_bytes_ = 0, attn_scratch_bytes_ = 0;
+  DeviceBuffer topk_scratch_;  // ops::cuda::topk_indices' (DSA layers only; zeroed once, at allocation)
   StepScratch step_;
   StepProfiler prof_;
   GraphCache graphs_;
