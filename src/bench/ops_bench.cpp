@@ -337,7 +337,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
     fmt::print("\nMLA / DSA decode (12 heads, 576-value latent entries, page 64), q = 1\n");
     for (int64_t ctxlen : {int64_t{8192}, int64_t{65536}}) {
       const int H = 12, R = 512, P = 64, E = R + P, page = 64, Hi = 32, Di = 128, topk = 2048;
-      for (int B : {1, 8, 32}) {
+      for (int B : {1, 8, 32, 64}) {
         const int64_t pages_per = ctxlen / page, pages = B * pages_per;
         DeviceBuffer kv = random_buffer(pages * page * E * 2, 0, s, 11),
                      keys = random_buffer(pages * page * Di * 2, 0, s, 12);
@@ -394,33 +394,35 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
       }
     }
     // Verify widths: q tokens of a request share every cache entry (q x 12 query rows per request).
-    fmt::print("\nMLA decode, q = 4 (48 query rows per request), context 8192\n");
-    for (int B : {1, 8, 64}) {
-      const int H = 12, R = 512, P = 64, E = R + P, page = 64, q = 4;
-      const int64_t ctxlen = 8192, pages_per = ctxlen / page, pages = B * pages_per;
-      DeviceBuffer kv = random_buffer(pages * page * E * 2, 0, s, 16);
-      std::vector<int32_t> tables(static_cast<size_t>(pages)), ctxv(static_cast<size_t>(B) * q);
-      for (int64_t i = 0; i < pages; ++i) tables[i] = static_cast<int32_t>((i * 7919) % pages);  // scattered pages
-      for (size_t i = 0; i < ctxv.size(); ++i) ctxv[i] = static_cast<int32_t>(ctxlen - q + 1 + i % q);  // causal
-      DeviceBuffer d_tables(pages * 4), d_ctx(int64_t{B} * q * 4);
-      CUDA_CHECK(cudaMemcpy(d_tables.get(), tables.data(), pages * 4, cudaMemcpyHostToDevice));
-      CUDA_CHECK(cudaMemcpy(d_ctx.get(), ctxv.data(), ctxv.size() * 4, cudaMemcpyHostToDevice));
-      DeviceBuffer qlat = random_buffer(int64_t{B} * q * H * E * 2, 0, s, 17),
-                   olat(int64_t{B} * q * H * R * 4), lse(int64_t{B} * q * H * 4);
-      const size_t sb = cu::mla_attend_paged_scratch_bytes(B, q, H, R, static_cast<int>(ctxlen));
-      DeviceBuffer scratch(std::max<size_t>(sb, 256));
-      const double us = time_us(s, [&] {
-        K3_OK(cu::mla_attend_paged(qlat.get<bf16>(), kv.get<bf16>(), d_tables.get<int32_t>(),
-                                   static_cast<int>(pages_per), page, d_ctx.get<int32_t>(), B, q,
-                                   static_cast<int>(ctxlen), H, R, P, 0.0722f, olat.get<float>(), lse.get<float>(),
-                                   scratch.get(), sb, s));
-      });
-      const double bytes = double(B) * ctxlen * E * 2;
-      fmt::print("  MLA ctx {:>6} B {:>2} q {}: {:>8.1f} us, floor {:>7.1f} us, {:>5.0f}%\n", ctxlen, B, q, us,
-                 bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us);
-      record("mla_attend", fmt::format("ctx{} B{} q{}", ctxlen, B, q), us, bytes,
-             {{"context", ctxlen}, {"B", B}, {"q", q}});
-    }
+    fmt::print("\nMLA decode, q = 2 and 4 (24 and 48 query rows per request)\n");
+    for (int64_t ctxlen : {int64_t{8192}, int64_t{65536}})
+      for (int q : {2, 4})
+        for (int B : {1, 8, 64}) {
+          const int H = 12, R = 512, P = 64, E = R + P, page = 64;
+          const int64_t pages_per = ctxlen / page, pages = B * pages_per;
+          DeviceBuffer kv = random_buffer(pages * page * E * 2, 0, s, 16);
+          std::vector<int32_t> tables(static_cast<size_t>(pages)), ctxv(static_cast<size_t>(B) * q);
+          for (int64_t i = 0; i < pages; ++i) tables[i] = static_cast<int32_t>((i * 7919) % pages);  // scattered
+          for (size_t i = 0; i < ctxv.size(); ++i) ctxv[i] = static_cast<int32_t>(ctxlen - q + 1 + i % q);  // causal
+          DeviceBuffer d_tables(pages * 4), d_ctx(int64_t{B} * q * 4);
+          CUDA_CHECK(cudaMemcpy(d_tables.get(), tables.data(), pages * 4, cudaMemcpyHostToDevice));
+          CUDA_CHECK(cudaMemcpy(d_ctx.get(), ctxv.data(), ctxv.size() * 4, cudaMemcpyHostToDevice));
+          DeviceBuffer qlat = random_buffer(int64_t{B} * q * H * E * 2, 0, s, 17),
+                       olat(int64_t{B} * q * H * R * 4), lse(int64_t{B} * q * H * 4);
+          const size_t sb = cu::mla_attend_paged_scratch_bytes(B, q, H, R, static_cast<int>(ctxlen));
+          DeviceBuffer scratch(std::max<size_t>(sb, 256));
+          const double us = time_us(s, [&] {
+            K3_OK(cu::mla_attend_paged(qlat.get<bf16>(), kv.get<bf16>(), d_tables.get<int32_t>(),
+                                       static_cast<int>(pages_per), page, d_ctx.get<int32_t>(), B, q,
+                                       static_cast<int>(ctxlen), H, R, P, 0.0722f, olat.get<float>(), lse.get<float>(),
+                                       scratch.get(), sb, s));
+          });
+          const double bytes = double(B) * ctxlen * E * 2;
+          fmt::print("  MLA ctx {:>6} B {:>2} q {}: {:>8.1f} us, floor {:>7.1f} us, {:>5.0f}%\n", ctxlen, B, q, us,
+                     bytes / bw * 1e6, 100 * bytes / bw * 1e6 / us);
+          record("mla_attend", fmt::format("ctx{} B{} q{}", ctxlen, B, q), us, bytes,
+                 {{"context", ctxlen}, {"B", B}, {"q", q}});
+        }
   }
   // 5. Token sampling on the step's logits (K3's vocab, FP32), the floor one read of the logits: greedy (one
   // launch), greedy with log-probs, nucleus sampling with a draft and log-probs; the one-CTA kernel beside it.

@@ -3,10 +3,11 @@
 // lse = -inf (empty) are skipped, none left gives zeros and -inf. It merges the DCP shards' partials
 // (the engine) and the context splits of mla_attend_paged / mla_attend_indexed (mla_attend*.cu).
 //
-//   lse_merge: one CTA per (token, head, 128 columns), four thread groups over quarters of the parts
-//     when the CTAs are few, else one; weights exp(lse_i - max) / sum as the CPU (the sum in its
-//     order), the groups' partials added in order.
+//   lse_merge_many_kernel: few (token, head) rows (a long context's many splits): a CTA per (token, head,
+//     32 columns), 16 warps over the parts, the weights' sum and the warps' partials in a fixed order.
 //   lse_merge_warp_kernel: few parts over many rows, one warp per (token, head).
+//   lse_merge_kernel<1>: the rest, one CTA per (token, head, 128 columns); weights exp(lse_i - max) / sum
+//     as the CPU (the sum in its order).
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -29,10 +30,8 @@ constexpr int kMergeBatch = 16;  // parts whose loads are in flight together
 // reduction (exact in any order), the weights exp(lse - max) are formed in parallel, and thread 0 sums
 // them in the CPU's order. Group g of the G thread groups then sums its share of the parts (contiguous,
 // in order) for its column, kMergeBatch loads in flight at a time, and the G partials are added in group
-// order (fixed for a given D and G; it differs from the CPU's single sum only in rounding). G = 4 when the
-// CTAs are few (one thread per column over a long context's many splits is a long serial chain of
-// loads: four groups cut it to a quarter), G = 1 when they fill the GPU (the groups' extra threads and
-// partial sums then cost more than the shorter chains save).
+// order (fixed for a given D and G; it differs from the CPU's single sum only in rounding). Launched with
+// G = 1 (the CTAs fill the GPU there; few CTAs take lse_merge_many_kernel).
 template <int G>
 __global__ void __launch_bounds__(kMergeCols * G)
     lse_merge_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH, int R,
@@ -169,6 +168,88 @@ __global__ void __launch_bounds__(kMergeWarpRows * 32)
   }
 }
 
+// Few (t, h) rows, any number of parts (a long context's splits: one request at 8k has ~130): a CTA per
+// (t, h) and 32 columns, 16 warps over the parts. The lse go to shared memory; their max (exact in any
+// order) and the sum of the weights exp(lse_d - max) (a fixed tree: per thread in part order, then the
+// warps' butterfly and the warps in order) come from every thread; warp w sums parts w, w + 16, ... for
+// its 32 columns (one 128-byte load per part and warp, kManyBatch loads in flight per thread), and warp 0
+// adds the 16 partials in warp order. (lse_merge_kernel here: a thread per column summed a long serial
+// chain of loads and thread 0 the weights one by one, ~9 us at 132 parts.)
+constexpr int kManyCols = 32, kManyWarps = 16, kManyThreads = kManyCols * kManyWarps, kManyBatch = 16;
+__global__ void __launch_bounds__(kManyThreads)
+    lse_merge_many_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH,
+                          int R, float* __restrict__ o, float* __restrict__ lse) {
+  extern __shared__ float mw[];  // [D] weights (0: empty part)
+  __shared__ float red[kManyWarps];
+  __shared__ float part[kManyWarps][kManyCols];
+  const int64_t th = blockIdx.x;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  float m = -INFINITY;
+  bool any = false;
+  for (int d = tid; d < D; d += kManyThreads) {
+    const float l = lse_parts[d * TH + th];
+    mw[d] = l;
+    m = fmaxf(m, l);  // a NaN lse never becomes the max (fmaxf drops it) but poisons the sum below
+    any |= l != -INFINITY;  // NaN counts as not empty, as on the CPU
+  }
+  any = __syncthreads_or(any);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = red[0];
+#pragma unroll
+  for (int w = 1; w < kManyWarps; ++w) m = fmaxf(m, red[w]);
+  float* oh = o + th * R;
+  const int col = static_cast<int>(blockIdx.y) * kManyCols + lane;
+  if (!any) {
+    if (warp == 0 && col < R) oh[col] = 0.f;
+    if (blockIdx.y == 0 && tid == 0) lse[th] = -INFINITY;
+    return;
+  }
+  float sum = 0.f;
+  for (int d = tid; d < D; d += kManyThreads) {
+    const float l = mw[d];
+    const float w = l == -INFINITY ? 0.f : expf(l - m);
+    mw[d] = w;
+    sum += w;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  __syncthreads();  // every red[] read above is done; mw holds the weights
+  if (lane == 0) red[warp] = sum;
+  __syncthreads();
+  sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kManyWarps; ++w) sum += red[w];
+  const float inv_sum = 1.f / sum;
+  if (blockIdx.y == 0 && tid == 0) lse[th] = m + logf(sum);
+  float acc = 0.f;
+  if (col < R) {
+    for (int d0 = warp; d0 < D; d0 += kManyWarps * kManyBatch) {
+      float v[kManyBatch];
+#pragma unroll
+      for (int u = 0; u < kManyBatch; ++u) {
+        const int d = d0 + u * kManyWarps;
+        v[u] = d < D && mw[d] != 0.f ? o_parts[(d * TH + th) * R + col] : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kManyBatch; ++u) {
+        const int d = d0 + u * kManyWarps;
+        if (d < D && mw[d] != 0.f) acc += (mw[d] * inv_sum) * v[u];  // empty parts skipped entirely
+      }
+    }
+  }
+  part[warp][lane] = acc;
+  __syncthreads();
+  if (warp == 0 && col < R) {
+    float t = part[0][lane];
+#pragma unroll
+    for (int w = 1; w < kManyWarps; ++w) t += part[w][lane];
+    oh[col] = t;
+  }
+}
+
 }  // namespace
 
 int lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, int H, int R, float* o, float* lse,
@@ -179,9 +260,12 @@ int lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, in
   if (TH > 0x7fffffffLL) return cudaErrorInvalidValue;
   const size_t smem = sizeof(float) * 2 * static_cast<size_t>(D);
   const dim3 grid(static_cast<unsigned>(TH), static_cast<unsigned>((R + kMergeCols - 1) / kMergeCols));
-  // Few CTAs: 4 thread groups per column (a warp per row would leave most of the GPU idle there).
+  // Few CTAs: a CTA per (t, h) and 32 columns, 16 warps over the parts (a warp per row, or a thread per
+  // column and row, would leave most of the GPU idle there).
   if (int64_t{grid.x} * grid.y < 4 * int64_t{detail::device_sm_count()}) {
-    lse_merge_kernel<4><<<grid, kMergeCols * 4, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
+    const dim3 many(static_cast<unsigned>(TH), static_cast<unsigned>((R + kManyCols - 1) / kManyCols));
+    lse_merge_many_kernel<<<many, kManyThreads, sizeof(float) * static_cast<size_t>(D), stream>>>(
+        o_parts, lse_parts, D, TH, R, o, lse);
   } else if (D <= 32 && R % 4 == 0 && aligned16(o_parts) && aligned16(o)) {
     const int64_t blocks = (TH + kMergeWarpRows - 1) / kMergeWarpRows;
     lse_merge_warp_kernel<<<static_cast<unsigned>(blocks), kMergeWarpRows * 32, 0, stream>>>(o_parts, lse_parts, D,

@@ -5,13 +5,17 @@
 //   rows: (token, head) pairs; a group is the rows that share their entries (dense: the q_len tokens of
 //   one request, sparse: the heads of one token). Flash decoding: a context split is a CTA that streams
 //   part of the entries and writes a partial (o / l, m + log l); lse_merge combines the splits.
-//   Kernels: mla_attend_mt.cu (up to 48 rows per CTA), mla_attend_16.cu (16 rows per CTA).
-//   Splits of the 48-row kernel (plan_splits): one CTA per SM fits (~170-220 KB of shared memory), so
-//   the split count minimises waves x tiles per split plus the partials' traffic; each CTA cuts its own
-//   rows' actual length (not the max_len bound) into that many chunks. Many groups (>= kTile16MinGroups)
-//   of at most 16 rows take the 16-row kernel instead (namespace tile16, its own split plan): with one
-//   ~170 KB CTA of 4 warps per SM the 48-row kernel streams slowly, while the 16-row kernel fits several
-//   CTAs per SM.
+//   Kernels: mla_attend_wg.cu (Hopper: wgmma, TMA; up to 48 rows per CTA), mla_attend_mt.cu (mma.sync, up
+//   to 48 rows per CTA), mla_attend_16.cu (mma.sync, 16 rows per CTA).
+//   The choice: dense decode at the K3 latent shape (R 512, P 64) with a page size TMA can tile
+//   (wg_supported) takes the Hopper kernel, whatever the batch; everything else (DSA's gathered entries,
+//   other shapes such as the tiny preset's, other page sizes) the mma.sync kernels: many groups
+//   (>= kTile16MinGroups) of at most 16 rows the 16-row kernel (several CTAs per SM), the rest the
+//   48-row kernel.
+//   Splits of the 48-row and Hopper kernels (plan_splits): one CTA per SM fits (~170-227 KB of shared
+//   memory), so the split count minimises waves x tiles per split plus the partials' traffic; each CTA
+//   cuts its own rows' actual length (not the max_len bound) into that many chunks. The 16-row kernel
+//   has its own split plan (namespace tile16).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -93,7 +97,8 @@ int launch_attend(AttendParams p, int64_t groups, int rows_per_group, void* scra
       p.max_len < 0 || p.T < 0 || groups > 65535 || !aligned16(p.q_lat) || !aligned16(p.pool))
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  if (rows_per_group <= 16 && groups >= kTile16MinGroups) {
+  const bool wg = !INDEXED && wg_supported(p);
+  if (!wg && rows_per_group <= 16 && groups >= kTile16MinGroups) {
     return tile16::launch<INDEXED>(p, groups, rows_per_group, scratch, scratch_bytes, o_lat, lse, stream);
   }
   const AttendShape sh = attend_shape(rows_per_group);
@@ -109,7 +114,8 @@ int launch_attend(AttendParams p, int64_t groups, int rows_per_group, void* scra
   p.o_out = o_parts;
   p.lse_out = lse_parts;
   p.rows_per_cta = sh.rows_per_cta;
-  const cudaError_t err = launch_attend_mt<INDEXED>(p, sh, splits, groups, stream);
+  const cudaError_t err =
+      wg ? launch_attend_wg(p, sh, splits, groups, stream) : launch_attend_mt<INDEXED>(p, sh, splits, groups, stream);
   if (err != cudaSuccess || splits <= 1) return err;
   return lse_merge(o_parts, lse_parts, splits, p.T, p.H, p.R, o_lat, lse, stream);
 }

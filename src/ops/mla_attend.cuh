@@ -1,6 +1,8 @@
 // Internal header of the MLA attend translation units (see mla.h for the math): mla_attend.cu (the
 // launchers mla_attend_paged / mla_attend_indexed, the choice of kernel and the context split plan),
-// mla_attend_mt.cu (the kernel of up to 48 query rows per CTA) and mla_attend_16.cu (the 16-row kernel).
+// mla_attend_wg.cu (the Hopper kernel: wgmma, TMA; dense decode at the K3 latent shape),
+// mla_attend_mt.cu (the mma.sync kernel of up to 48 query rows per CTA) and mla_attend_16.cu (the 16-row
+// kernel).
 // Here: the tile shape of the 48-row kernel that the plan depends on, the parameters both kernels take,
 // the byte size of the split partials, and the launch functions each kernel's file defines.
 #pragma once
@@ -75,6 +77,15 @@ size_t partial_bytes(int splits, int64_t T, int H, int R);
 // caller; launch only (the caller merges the splits).
 template <bool INDEXED>
 cudaError_t launch_attend_mt(const AttendParams& p, const AttendShape& sh, int splits, int64_t groups,
+                             cudaStream_t stream);
+
+// The Hopper kernel (mla_attend_wg.cu): dense decode only, R = kWgR, P = kWgP, a page size that is a
+// multiple of 64 or a divisor of 64 of at least 8 (TMA boxes of whole page runs), on a compute capability
+// 9.x device. Same grid, shape (AttendShape, up to 48 rows per CTA), splits and partial outputs as
+// launch_attend_mt.
+constexpr int kWgR = 512, kWgP = 64;
+bool wg_supported(const AttendParams& p);
+cudaError_t launch_attend_wg(const AttendParams& p, const AttendShape& sh, int splits, int64_t groups,
                              cudaStream_t stream);
 
 namespace tile16 {

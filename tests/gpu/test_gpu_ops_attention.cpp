@@ -1,7 +1,8 @@
 // GPU tests of the MLA and DSA CUDA ops against their CPU references (src/ops/*.cpp; the CPU tests:
 // tests/test_ops_attention.cpp): mla_absorb_q / mla_unabsorb (both paths: the hand-written kernels and
-// cuBLASLt), lse_merge, mla_attend_paged / mla_attend_indexed (both attend kernels, with and without
-// context splits), dsa_index_scores_paged / topk_indices. Random inputs from fixed seeds (never zeros),
+// cuBLASLt), lse_merge, mla_attend_paged / mla_attend_indexed (the Hopper kernel at the K3 latent shape,
+// the mma.sync kernels elsewhere and for DSA; with and without context splits), dsa_index_scores_paged /
+// topk_indices. Random inputs from fixed seeds (never zeros),
 // odd shapes and the K3 per-rank shapes (TP8), and sentinels around every output so that a stray write
 // or read shows.
 #include <algorithm>
@@ -290,11 +291,124 @@ INSTANTIATE_TEST_SUITE_P(
                       AttendCase{2, 3, 8, 32, 8, 16, {3, 50}},      // tiny preset shapes
                       AttendCase{2, 2, 20, 64, 16, 16, {40, 300}},  // rows straddle M tiles
                       AttendCase{1, 1, 5, 40, 8, 8, {777}},         // R not a multiple of 16
-                      // From 8 requests of <= 16 rows on, the 16-row kernel (mla_attend.cu, kTile16MinGroups); 7 stay
-                      // on the multi-row kernel.
+                      // R 512, P 64, page 64: the Hopper kernel; other shapes: from 8 requests of <= 16 rows on, the
+                      // 16-row kernel (mla_attend.cu, kTile16MinGroups), 7 stay on the multi-row kernel.
                       AttendCase{9, 1, 12, 512, 64, 64, {1, 17, 300, 1000, 2, 8192, 64, 65, 4000}},
                       AttendCase{7, 1, 12, 512, 64, 64, {5, 900, 64, 1, 2000, 333, 8192}},
                       AttendCase{8, 1, 5, 40, 8, 8, {777, 1, 30, 9, 100, 64, 5, 256}}));
+
+// ---------------------------------------------------------------- MLA attention at the K3 per-rank shapes
+
+// K3 TP8 per rank: 12 heads, 512 + 64 latent values, the engine's paged cache (page 64 by default). With
+// DCP the op sees this rank's share: position p lives on rank p % D at local index p / D, and a token at
+// position pos sees the local entries of positions <= pos (GpuRank::mla passes those local lengths).
+struct K3AttendCase {
+  int B, q, page_size;
+  std::vector<int> ctx;  // per request: the context of its last token (global positions)
+  int dcp = 1, dcp_rank = 0;
+};
+
+int local_len(int pos, int D, int r) { return pos < r ? 0 : (pos - r) / D + 1; }
+
+// 64 ragged requests: mostly short (so that the CPU reference stays quick), every 16th at 8192.
+std::vector<int> ragged64() {
+  std::vector<int> v(64);
+  for (int b = 0; b < 64; ++b) v[static_cast<size_t>(b)] = b % 16 == 0 ? 8192 : 1 + (b * 397) % 1300;
+  return v;
+}
+
+class MlaAttendK3Cuda : public ::testing::TestWithParam<K3AttendCase> {};
+
+TEST_P(MlaAttendK3Cuda, MatchesCpuAndRepeatsBitIdentical) {
+  K3_REQUIRE_GPU();
+  const K3AttendCase& c = GetParam();
+  const int B = c.B, q = c.q, H = 12, R = 512, P = 64, D = c.dcp, dr = c.dcp_rank;
+  const int64_t E = int64_t{R} + P, T = int64_t{B} * q;
+  const float scale = 1.0f / std::sqrt(192.0f);
+  // Token i of request b sits at position ctx[b] - q + i (the last at ctx - 1; before 0: nothing visible).
+  std::vector<int32_t> ctx_len(static_cast<size_t>(T));
+  std::vector<int> held(static_cast<size_t>(B));
+  int max_ctx = 0;
+  for (int b = 0; b < B; ++b) {
+    const int ctx = c.ctx[static_cast<size_t>(b)];
+    held[static_cast<size_t>(b)] = local_len(ctx - 1, D, dr);
+    for (int i = 0; i < q; ++i) {
+      const int pos = ctx - q + i;
+      ctx_len[static_cast<size_t>(b * q + i)] = pos >= 0 ? local_len(pos, D, dr) : 0;
+    }
+    max_ctx = std::max(max_ctx, held[static_cast<size_t>(b)]);
+  }
+  max_ctx += 3;  // a loose bound, as the engine may pass
+  const Paged cache = make_paged(held, c.page_size, E, 81 + static_cast<uint64_t>(B), 1.0);
+  const auto q_lat = random_bf16_values(static_cast<size_t>(T * H * E), 82, 2.0);
+  auto d_q = up_bf16(q_lat);
+  auto d_pool = up_bf16(cache.pool);
+  auto d_tables = upload(cache.tables);
+  auto d_ctx = upload(ctx_len);
+  const size_t scratch_bytes = ops::cuda::mla_attend_paged_scratch_bytes(B, q, H, R, max_ctx);
+  DeviceBuffer d_scratch(std::max<size_t>(scratch_bytes, 16));
+  const size_t no = static_cast<size_t>(T * H * R), nl = static_cast<size_t>(T * H);
+  DeviceBuffer d_o(no * sizeof(float)), d_lse(nl * sizeof(float));
+  std::vector<float> o_got, lse_got;
+  for (int rep = 0; rep < 2; ++rep) {  // NaN-filled outputs: every value is written, the same bits twice
+    ASSERT_EQ(cudaMemset(d_o.get(), 0xFF, no * sizeof(float)), cudaSuccess);
+    ASSERT_EQ(cudaMemset(d_lse.get(), 0xFF, nl * sizeof(float)), cudaSuccess);
+    K3_CU(ops::cuda::mla_attend_paged(d_q.get<bf16>(), d_pool.get<bf16>(), d_tables.get<int32_t>(), cache.max_pages,
+                                      c.page_size, d_ctx.get<int32_t>(), B, q, max_ctx, H, R, P, scale,
+                                      d_o.get<float>(), d_lse.get<float>(), d_scratch.get(), scratch_bytes, st()));
+    auto o = down_f32(d_o, no);
+    auto l = down_f32(d_lse, nl);
+    if (rep == 0) {
+      o_got = std::move(o);
+      lse_got = std::move(l);
+    } else {
+      expect_exact(o, o_got, "repeated call o_lat");
+      expect_exact(l, lse_got, "repeated call lse");
+    }
+  }
+  std::vector<float> o_ref(no), lse_ref(nl);
+  std::vector<const float*> entries;
+  for (int b = 0; b < B; ++b)
+    for (int i = 0; i < q; ++i) {
+      const int64_t t = int64_t{b} * q + i, n = ctx_len[static_cast<size_t>(t)];
+      entries.resize(static_cast<size_t>(n));
+      for (int64_t p = 0; p < n; ++p) entries[static_cast<size_t>(p)] = cache.at(b, p);
+      ops::mla_attend(&q_lat[t * H * E], entries.data(), n, H, R, P, scale, &o_ref[t * H * R], &lse_ref[t * H]);
+    }
+  expect_no_nan(o_got, "o_lat");
+  expect_close(o_got, o_ref, 1e-3, 1e-6, "mla_attend_paged o_lat (K3)");
+  for (size_t i = 0; i < nl; ++i) {
+    if (std::isinf(lse_ref[i]))
+      EXPECT_EQ(lse_got[i], lse_ref[i]) << "lse at " << i;
+    else
+      EXPECT_NEAR(lse_got[i], lse_ref[i], 5e-4) << "lse at " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    K3, MlaAttendK3Cuda,
+    ::testing::Values(
+        // One request, q = 1: tile edges (63, 64, 65: a partial tile, one full, one full and one entry), 8k
+        // (splits over the SMs) and 64k.
+        K3AttendCase{1, 1, 64, {1}}, K3AttendCase{1, 1, 64, {63}}, K3AttendCase{1, 1, 64, {64}},
+        K3AttendCase{1, 1, 64, {65}}, K3AttendCase{1, 1, 64, {8192}}, K3AttendCase{1, 1, 64, {65536}},
+        // q = 2..4 (24, 36, 48 rows: N = 32, 48, 48); a token before position 0 sees nothing.
+        K3AttendCase{1, 2, 64, {64}}, K3AttendCase{1, 3, 64, {65}}, K3AttendCase{1, 4, 64, {63}},
+        K3AttendCase{1, 4, 64, {8192}}, K3AttendCase{2, 4, 64, {65536, 65}}, K3AttendCase{2, 2, 64, {65536, 1}},
+        // 7 ragged requests, q = 1..4.
+        K3AttendCase{7, 1, 64, {1, 63, 64, 65, 8192, 300, 129}},
+        K3AttendCase{7, 2, 64, {2, 63, 64, 65, 8192, 300, 129}},
+        K3AttendCase{7, 3, 64, {3, 63, 64, 65, 8192, 300, 129}},
+        K3AttendCase{7, 4, 64, {4, 63, 64, 65, 8192, 300, 129}},
+        // 64 ragged requests.
+        K3AttendCase{64, 1, 64, ragged64()}, K3AttendCase{64, 2, 64, ragged64()}, K3AttendCase{64, 4, 64, ragged64()},
+        // Other page sizes: TMA boxes of 16 and 8 rows, a page of two tiles; 48 is not a TMA page size
+        // (the mma.sync kernels).
+        K3AttendCase{3, 2, 16, {65, 1000, 8192}}, K3AttendCase{2, 3, 8, {700, 64}},
+        K3AttendCase{2, 1, 128, {8192, 200}}, K3AttendCase{2, 4, 48, {1000, 100}},
+        // DCP shares: rank 1 of 2 and rank 3 of 4 (consecutive tokens may see the same local entries).
+        K3AttendCase{3, 4, 64, {8192, 65, 130}, 2, 1}, K3AttendCase{7, 1, 64, {1, 2, 63, 64, 65, 129, 8192}, 4, 3},
+        K3AttendCase{2, 3, 64, {65536, 7}, 2, 0}));
 
 struct IndexedCase {
   int B, q, H, R, P, page_size, max_sel;
