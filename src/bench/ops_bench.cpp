@@ -463,6 +463,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
                {{"rows", rows}, {"vocab", V}, {"mode", what}, {"one_cta_us", one_us}});
       }
     }
+  }
   // 6. DSA top-k alone (top-2048 of each row's scores): the split kernel beside the one-CTA kernel it replaced.
   // Floor: one read of the scores and the indices written. Rows of uniform random scores (one histogram pass
   // and the gather), and rows of one repeated value (every pass, the tie broken on the index bits: the
