@@ -1,6 +1,7 @@
 // GPU tests of the KDA-layer CUDA ops against their CPU references (src/ops/*.cpp; the CPU tests:
-// tests/test_ops_kda.cpp): short_conv_silu + short_conv_commit, kda_gate / kda_beta / l2norm_heads /
-// kda_recurrence + kda_replay / kda_gated_norm. Random inputs from fixed seeds (never zeros), odd shapes
+// tests/test_ops_kda.cpp): short_conv_silu + short_conv_commit, kda_prep (the convs, l2 norms, gate and
+// beta of a step in one kernel) + short_conv_commit, kda_gate / kda_beta / l2norm_heads / kda_recurrence +
+// kda_replay / kda_gated_norm. Random inputs from fixed seeds (never zeros), odd shapes
 // and the K3 per-rank shapes (TP8) at B = 1 and B > 1, the verify semantics (the double-buffered state:
 // read one, write the other; the kept inputs; the commit of every n accepted tokens, bit-identical to a
 // step of those n tokens), and sentinels around every output so that a stray write or read shows.
@@ -12,6 +13,7 @@
 
 #include "gpu_test_util.h"
 #include "ops/kda.h"
+#include "ops/kda_prep.h"
 #include "ops/short_conv.h"
 
 namespace k3 {
@@ -125,6 +127,191 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ShortConvCuda,
                                            ConvShape{2, 3, 5, 4, 37, 3, 5},    // odd channels, K 3
                                            ConvShape{3, 2, 2, 3, 300, 2, 0},   // K 2
                                            ConvShape{2, 5, 6, 3, 33, 8, 1}));  // K 8 (the maximum)
+
+// ---------------------------------------------------------------- kda_prep (conv, norms, gate, beta) + commit
+
+struct PrepShape {
+  int B, q, max_q, num_slots, H, d, K;
+};
+
+// Values within `loose` of the largest |want| everywhere and within `tight` of it at all but 1% of them: a
+// conv output may round to the neighbouring BF16 value (CUDA's expf against the CPU's), which moves the
+// l2-normalized values of its (token, head) by up to a BF16 ulp; elsewhere the norms agree to FP32.
+void expect_close_but_rare(const std::vector<float>& got, const std::vector<float>& want, double tight, double loose,
+                           const char* what) {
+  expect_close(got, want, loose, 0, what);
+  double scale = 0;
+  for (float w : want) scale = std::max(scale, static_cast<double>(std::fabs(w)));
+  size_t off = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!(std::fabs(static_cast<double>(got[i]) - want[i]) <= tight * scale)) ++off;
+  EXPECT_LE(off, got.size() / 100) << what << ": " << off << " of " << got.size() << " values beyond " << tight;
+}
+
+// Each output of a launcher in a buffer of n values and kTail more set to kSentinel: the tail must stay.
+constexpr int64_t kTail = 64;
+DeviceBuffer sentinel_f32(int64_t n) {
+  return upload(std::vector<float>(static_cast<size_t>(n + kTail), kSentinel));
+}
+DeviceBuffer sentinel_bf16(int64_t n) {
+  return up_bf16(std::vector<float>(static_cast<size_t>(n + kTail), kSentinel));
+}
+void expect_tail(const std::vector<float>& all, int64_t n, const char* what, float sentinel = kSentinel) {
+  for (int64_t i = n; i < n + kTail; ++i)
+    if (all[i] != sentinel) {
+      ADD_FAILURE() << what << ": written past its end at " << i - n;
+      return;
+    }
+}
+
+class KdaPrepCuda : public ::testing::TestWithParam<PrepShape> {};
+
+TEST_P(KdaPrepCuda, MatchesCpuKeepsInputsAndCommits) {
+  K3_REQUIRE_GPU();
+  const PrepShape s = GetParam();
+  const int B = s.B, q = s.q, max_q = s.max_q, H = s.H, d = s.d, K = s.K, S = K - 1;
+  const int64_t C = int64_t{H} * d, rows = int64_t{B} * q, st_f = C * S;
+  // The packed projection as the layer has it: q | k | v | g | f_a | b | padding.
+  const int64_t ld = (4 * C + d + H + 15) / 16 * 16, b_col = 4 * C + d;
+  const uint64_t seed = 3000 + static_cast<uint64_t>(B * 1000 + q * 100 + H * 10 + d + K);
+  const auto proj = random_bf16_values(static_cast<size_t>(rows * ld), seed, 2.0);
+  const auto u = random_bf16_values(static_cast<size_t>(rows * C), seed + 1, 3.0);
+  std::vector<float> conv_w[3], pool[3];
+  for (int j = 0; j < 3; ++j) {
+    conv_w[j] = uniform(static_cast<size_t>(C * K), seed + 2 + j, -0.8, 0.8);
+    pool[j] = uniform(static_cast<size_t>(s.num_slots * st_f), seed + 5 + j, -2.0, 2.0);
+  }
+  const auto A_log = uniform(static_cast<size_t>(H + 3), seed + 8, -1.5, 1.5);  // padded storage, first H used
+  const auto dt_bias = uniform(static_cast<size_t>(C), seed + 9, -1.0, 1.0);
+  const float lower = -5.0f;
+  const auto slots = pick_slots(B, s.num_slots, seed + 10);
+  const int64_t kept_n = int64_t{s.num_slots} * max_q * C;
+  const std::vector<float> kept(static_cast<size_t>(kept_n), kSentinel);
+
+  auto d_proj = up_bf16(proj);
+  auto d_u = up_bf16(u);
+  auto d_A = upload(A_log);
+  auto d_dt = upload(dt_bias);
+  auto d_slots = upload(slots);
+  DeviceBuffer d_w[3], d_pool[3], d_kept[3];
+  for (int j = 0; j < 3; ++j) {
+    d_w[j] = upload(conv_w[j]);
+    d_pool[j] = upload(pool[j]);
+    d_kept[j] = upload(kept);
+  }
+  DeviceBuffer d_q = sentinel_f32(rows * C), d_k = sentinel_f32(rows * C), d_v = sentinel_bf16(rows * C),
+               d_g = sentinel_f32(rows * C), d_beta = sentinel_f32(rows * H);
+  ops::cuda::KdaPrep p;
+  p.proj = d_proj.get<bf16>();
+  p.proj_ld = ld;
+  p.b_col = b_col;
+  p.u = d_u.get<bf16>();
+  for (int j = 0; j < 3; ++j) {
+    p.conv_w[j] = d_w[j].get<float>();
+    p.conv_pool[j] = d_pool[j].get<float>();
+    p.conv_kept[j] = d_kept[j].get<float>();
+  }
+  p.slots = d_slots.get<int32_t>();
+  p.A_log = d_A.get<float>();
+  p.dt_bias = d_dt.get<float>();
+  p.lower_bound = lower;
+  p.q_scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.q = d_q.get<float>();
+  p.k = d_k.get<float>();
+  p.v = d_v.get<bf16>();
+  p.g = d_g.get<float>();
+  p.beta = d_beta.get<float>();
+  K3_CU(ops::cuda::kda_prep(p, B, q, max_q, H, d, K, st()));
+
+  // CPU: kda_prep per request, from copies of its slot's committed states; the kept rows are the inputs.
+  ops::KdaPrepWeights w;
+  for (int j = 0; j < 3; ++j) w.conv[j] = conv_w[j].data();
+  w.A_log = A_log.data();
+  w.dt_bias = dt_bias.data();
+  w.lower_bound = lower;
+  std::vector<float> y_ref[3], g_ref(static_cast<size_t>(rows * C)), beta_ref(static_cast<size_t>(rows * H));
+  std::vector<float> kept_ref[3] = {kept, kept, kept};
+  std::vector<std::vector<float>> xs[3];
+  for (int j = 0; j < 3; ++j) {
+    y_ref[j].resize(static_cast<size_t>(rows * C));
+    xs[j].resize(static_cast<size_t>(B));
+  }
+  for (int b = 0; b < B; ++b) {
+    const int64_t r0 = int64_t{b} * q;
+    std::vector<float> state[3], bcol(static_cast<size_t>(q * H));
+    const float* x_in[3];
+    float* st_in[3];
+    float* y_out[3];
+    for (int j = 0; j < 3; ++j) {
+      std::vector<float>& xb = xs[j][b];
+      xb.resize(static_cast<size_t>(q * C));
+      for (int t = 0; t < q; ++t) std::copy_n(&proj[(r0 + t) * ld + j * C], C, &xb[static_cast<size_t>(t * C)]);
+      state[j].assign(pool[j].begin() + slots[b] * st_f, pool[j].begin() + (slots[b] + 1) * st_f);
+      x_in[j] = xb.data();
+      st_in[j] = state[j].data();
+      y_out[j] = &y_ref[j][static_cast<size_t>(r0 * C)];
+      std::copy(xb.begin(), xb.end(), kept_ref[j].begin() + int64_t{slots[b]} * max_q * C);
+    }
+    for (int t = 0; t < q; ++t) std::copy_n(&proj[(r0 + t) * ld + b_col], H, &bcol[static_cast<size_t>(t * H)]);
+    ops::kda_prep(x_in, &u[static_cast<size_t>(r0 * C)], bcol.data(), w, st_in, y_out,
+                  &g_ref[static_cast<size_t>(r0 * C)], &beta_ref[static_cast<size_t>(r0 * H)], q, H, d, K);
+  }
+  const auto q_all = down_f32(d_q, static_cast<size_t>(rows * C + kTail));
+  const auto k_all = down_f32(d_k, static_cast<size_t>(rows * C + kTail));
+  const auto v_all = down_bf16(d_v, static_cast<size_t>(rows * C + kTail));
+  const auto g_all = down_f32(d_g, static_cast<size_t>(rows * C + kTail));
+  const auto beta_all = down_f32(d_beta, static_cast<size_t>(rows * H + kTail));
+  const auto head = [](const std::vector<float>& a, int64_t n) { return std::vector<float>(a.begin(), a.begin() + n); };
+  expect_close_but_rare(head(q_all, rows * C), y_ref[0], 1e-6, kOneRounding, "q (conv, l2norm, scale)");
+  expect_close_but_rare(head(k_all, rows * C), y_ref[1], 1e-6, kOneRounding, "k (conv, l2norm)");
+  expect_close(head(v_all, rows * C), y_ref[2], kOneRounding, 0, "v (conv)");
+  expect_close(head(g_all, rows * C), g_ref, 2e-6, 1e-6, "g");
+  expect_close(head(beta_all, rows * H), beta_ref, 1e-6, 1e-7, "beta");
+  expect_tail(q_all, rows * C, "q");
+  expect_tail(k_all, rows * C, "k");
+  expect_tail(v_all, rows * C, "v", round_bf16(kSentinel));
+  expect_tail(g_all, rows * C, "g");
+  expect_tail(beta_all, rows * H, "beta");
+  for (int j = 0; j < 3; ++j) {
+    expect_exact(down_f32(d_kept[j], kept.size()), kept_ref[j], "kept inputs (and untouched rows)");
+    expect_exact(down_f32(d_pool[j], pool[j].size()), pool[j], "committed conv state is read only");
+  }
+
+  // Commit n accepted tokens, every n in 0..q across the requests: the CPU state after exactly n tokens.
+  for (int shift = 0; shift <= q; ++shift) {
+    std::vector<int32_t> accepted(static_cast<size_t>(B));
+    for (int b = 0; b < B; ++b) accepted[b] = (b + shift) % (q + 1);
+    auto d_acc = upload(accepted);
+    for (int j = 0; j < 3; ++j) {
+      auto d_pool2 = upload(pool[j]);
+      K3_CU(ops::cuda::short_conv_commit(d_kept[j].get<float>(), d_pool2.get<float>(), d_slots.get<int32_t>(),
+                                         d_acc.get<int32_t>(), B, max_q, C, K, st()));
+      std::vector<float> pool_ref = pool[j];
+      for (int b = 0; b < B; ++b) {
+        const int n = accepted[b];
+        std::vector<float> yb(static_cast<size_t>(std::max(n, 1) * C));
+        ops::short_conv_silu(xs[j][b].data(), conv_w[j].data(), pool_ref.data() + slots[b] * st_f, yb.data(), n,
+                             C, K);
+      }
+      expect_exact(down_f32(d_pool2, pool[j].size()), pool_ref, "conv state after commit");
+    }
+  }
+}
+
+std::vector<PrepShape> prep_shapes() {
+  std::vector<PrepShape> v;
+  for (int B : {1, 3, 64})
+    for (int q = 1; q <= 4; ++q) {
+      v.push_back({B, q, 4, B + 2, 12, 128, 4});  // K3 TP8: 12 heads of 128, K 4
+      v.push_back({B, q, q + 1, B + 1, 3, 7, 4});  // odd: 3 heads of 7
+    }
+  v.push_back({2, 3, 5, 4, 2, 33, 3});   // two channels per lane, the second partial; K 3
+  v.push_back({2, 5, 6, 3, 1, 200, 8});  // d 200: eight channels per lane; K 8 (the maximum)
+  v.push_back({3, 2, 2, 3, 4, 64, 2});   // K 2
+  v.push_back({2, 2, 3, 3, 5, 32, 1});   // K 1: no state
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, KdaPrepCuda, ::testing::ValuesIn(prep_shapes()));
 
 // ---------------------------------------------------------------- KDA elementwise ops
 
