@@ -1,7 +1,6 @@
 // GPU tests of the KDA-layer CUDA ops against their CPU references (src/ops/*.cpp; the CPU tests:
-// tests/test_ops_kda.cpp): short_conv_silu + short_conv_commit, kda_prep (the convs, l2 norms, gate and
-// beta of a step in one kernel) + short_conv_commit, kda_gate / kda_beta / l2norm_heads / kda_recurrence +
-// kda_replay / kda_gated_norm. Random inputs from fixed seeds (never zeros), odd shapes
+// tests/test_ops_kda.cpp): kda_prep (the convs, l2 norms, gate and beta of a step) + short_conv_commit,
+// kda_recurrence + kda_replay, kda_gated_norm. Random inputs from fixed seeds (never zeros), odd shapes
 // and the K3 per-rank shapes (TP8) at B = 1 and B > 1, the verify semantics (the double-buffered state:
 // read one, write the other; the kept inputs; the commit of every n accepted tokens, bit-identical to a
 // step of those n tokens), and sentinels around every output so that a stray write or read shows.
@@ -53,80 +52,6 @@ void expect_exact(const std::vector<float>& got, const std::vector<float>& want,
 std::vector<float> rows_of(const std::vector<float>& a, int64_t width, int64_t first, int64_t count) {
   return std::vector<float>(a.begin() + first * width, a.begin() + (first + count) * width);
 }
-
-// ---------------------------------------------------------------- short conv + commit
-
-struct ConvShape {
-  int B, q, max_q, num_slots;
-  int64_t C;
-  int K;
-  int64_t x_pad;  // extra columns per row of x (a packed projection output)
-};
-
-class ShortConvCuda : public ::testing::TestWithParam<ConvShape> {};
-
-TEST_P(ShortConvCuda, MatchesCpuKeepsInputsAndCommits) {
-  K3_REQUIRE_GPU();
-  const ConvShape s = GetParam();
-  const int B = s.B, q = s.q, max_q = s.max_q, K = s.K, S = K - 1;
-  const int64_t C = s.C, x_ld = C + s.x_pad, rows = int64_t{B} * q, st_f = C * S;
-  const auto x = random_bf16_values(static_cast<size_t>(rows * x_ld), 11, 2.0);
-  const auto w = uniform(static_cast<size_t>(C * K), 12, -0.8, 0.8);
-  const auto pool = uniform(static_cast<size_t>(s.num_slots * st_f), 13, -2.0, 2.0);
-  const auto slots = pick_slots(B, s.num_slots, 14);
-  const std::vector<float> kept(static_cast<size_t>(s.num_slots * max_q * C), kSentinel);
-
-  auto d_x = up_bf16(x);
-  auto d_w = upload(w);
-  auto d_pool = upload(pool);
-  auto d_kept = upload(kept);
-  auto d_slots = upload(slots);
-  DeviceBuffer d_y(static_cast<size_t>(rows * C) * sizeof(bf16));
-  K3_CU(ops::cuda::short_conv_silu(d_x.get<bf16>(), x_ld, d_w.get<float>(), d_pool.get<float>(), d_kept.get<float>(),
-                                   d_slots.get<int32_t>(), d_y.get<bf16>(), B, q, max_q, C, K, st()));
-
-  // CPU: per request, from a copy of its committed state; the kept rows are the inputs.
-  std::vector<float> y_ref(static_cast<size_t>(rows * C)), kept_ref = kept;
-  std::vector<std::vector<float>> xs(static_cast<size_t>(B));
-  for (int b = 0; b < B; ++b) {
-    std::vector<float>& xb = xs[b];
-    xb.resize(static_cast<size_t>(q * C));
-    std::vector<float> state(pool.begin() + slots[b] * st_f, pool.begin() + (slots[b] + 1) * st_f);
-    for (int t = 0; t < q; ++t) std::copy_n(&x[(int64_t{b} * q + t) * x_ld], C, &xb[static_cast<size_t>(t * C)]);
-    ops::short_conv_silu(xb.data(), w.data(), state.data(), &y_ref[static_cast<size_t>(b * q * C)], q, C, K);
-    std::copy(xb.begin(), xb.end(), kept_ref.begin() + int64_t{slots[b]} * max_q * C);
-  }
-  expect_close(down_bf16(d_y, y_ref.size()), y_ref, 5e-3, 0, "short_conv y");
-  expect_exact(down_f32(d_kept, kept.size()), kept_ref, "kept inputs (and untouched rows)");
-  expect_exact(down_f32(d_pool, pool.size()), pool, "committed conv state is read only");
-
-  // Commit n accepted tokens, every n in 0..q across the requests: the CPU state after exactly n tokens.
-  for (int shift = 0; shift <= q; ++shift) {
-    std::vector<int32_t> accepted(static_cast<size_t>(B));
-    for (int b = 0; b < B; ++b) accepted[b] = (b + shift) % (q + 1);
-    auto d_pool2 = upload(pool);
-    auto d_acc = upload(accepted);
-    K3_CU(ops::cuda::short_conv_commit(d_kept.get<float>(), d_pool2.get<float>(), d_slots.get<int32_t>(),
-                                       d_acc.get<int32_t>(), B, max_q, C, K, st()));
-    std::vector<float> pool_ref = pool;
-    for (int b = 0; b < B; ++b) {
-      const int n = accepted[b];
-      std::vector<float> yb(static_cast<size_t>(std::max(n, 1) * C));
-      ops::short_conv_silu(xs[b].data(), w.data(), &pool_ref[static_cast<size_t>(slots[b] * st_f)], yb.data(),
-                           n, C, K);
-    }
-    expect_exact(down_f32(d_pool2, pool.size()), pool_ref, "conv state after commit");
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Shapes, ShortConvCuda,
-                         ::testing::Values(ConvShape{1, 1, 1, 2, 1536, 4, 0},  // K3 TP8 q/k/v, plain decode
-                                           ConvShape{3, 4, 8, 5, 1536, 4, 0},  // verify, 3 requests
-                                           ConvShape{8, 8, 8, 9, 4608, 4,
-                                                     6288 - 4608},             // fused q|k|v of the packed proj
-                                           ConvShape{2, 3, 5, 4, 37, 3, 5},    // odd channels, K 3
-                                           ConvShape{3, 2, 2, 3, 300, 2, 0},   // K 2
-                                           ConvShape{2, 5, 6, 3, 33, 8, 1}));  // K 8 (the maximum)
 
 // ---------------------------------------------------------------- kda_prep (conv, norms, gate, beta) + commit
 
@@ -313,76 +238,38 @@ std::vector<PrepShape> prep_shapes() {
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, KdaPrepCuda, ::testing::ValuesIn(prep_shapes()));
 
-// ---------------------------------------------------------------- KDA elementwise ops
+// ---------------------------------------------------------------- KDA gated norm
 
 struct KdaShape {
   int64_t rows;
   int H, d;
 };
 
-class KdaPointwiseCuda : public ::testing::TestWithParam<KdaShape> {};
+class KdaGatedNormCuda : public ::testing::TestWithParam<KdaShape> {};
 
-TEST_P(KdaPointwiseCuda, GateBetaL2normGatedNormMatchCpu) {
+TEST_P(KdaGatedNormCuda, MatchesCpu) {
   K3_REQUIRE_GPU();
   const KdaShape s = GetParam();
   const int64_t rows = s.rows, C = int64_t{s.H} * s.d;
   const int H = s.H, d = s.d;
-
-  {  // kda_gate
-    const auto u = random_bf16_values(static_cast<size_t>(rows * C), 21, 3.0);
-    const auto A_log = uniform(static_cast<size_t>(H + 3), 22, -1.5, 1.5);  // padded storage, first H used
-    const auto dt_bias = uniform(static_cast<size_t>(C), 23, -1.0, 1.0);
-    auto d_u = up_bf16(u);
-    auto d_A = upload(A_log);
-    auto d_dt = upload(dt_bias);
-    DeviceBuffer d_g(static_cast<size_t>(rows * C) * sizeof(float));
-    K3_CU(ops::cuda::kda_gate(d_u.get<bf16>(), d_A.get<float>(), d_dt.get<float>(), -5.0f, d_g.get<float>(), rows, H, d,
-                              st()));
-    std::vector<float> g_ref(static_cast<size_t>(rows * C));
-    ops::kda_gate(u.data(), A_log.data(), dt_bias.data(), -5.0f, g_ref.data(), rows, H, d);
-    expect_close(down_f32(d_g, g_ref.size()), g_ref, 2e-6, 1e-6, "kda_gate");
-  }
-  {  // kda_beta from a strided (packed) input
-    const int64_t b_ld = H + 7;
-    const auto bsrc = random_bf16_values(static_cast<size_t>(rows * b_ld), 24, 4.0);
-    auto d_b = up_bf16(bsrc);
-    DeviceBuffer d_beta(static_cast<size_t>(rows * H) * sizeof(float));
-    K3_CU(ops::cuda::kda_beta(d_b.get<bf16>(), b_ld, d_beta.get<float>(), rows, H, st()));
-    std::vector<float> b_ref(static_cast<size_t>(rows * H));
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(&bsrc[r * b_ld], H, &b_ref[r * H]);
-    ops::kda_beta(b_ref.data(), b_ref.data(), rows, H);
-    expect_close(down_f32(d_beta, b_ref.size()), b_ref, 1e-6, 1e-7, "kda_beta");
-  }
-  {  // l2norm_heads, both scales the model uses
-    const auto x = random_bf16_values(static_cast<size_t>(rows * C), 25, 1.5);
-    auto d_x = up_bf16(x);
-    DeviceBuffer d_out(static_cast<size_t>(rows * C) * sizeof(float));
-    for (float scale : {1.0f, 1.0f / std::sqrt(static_cast<float>(d))}) {
-      K3_CU(ops::cuda::l2norm_heads(d_x.get<bf16>(), d_out.get<float>(), rows, H, d, scale, st()));
-      std::vector<float> ref = x;
-      ops::l2norm_heads(ref.data(), rows, H, d, scale);
-      expect_close(down_f32(d_out, ref.size()), ref, 1e-6, 0, "l2norm_heads");
-    }
-  }
-  {  // kda_gated_norm with a strided gate
-    const int64_t g_ld = C + 12;
-    const auto o = uniform(static_cast<size_t>(rows * C), 26, -0.7, 0.7);
-    const auto gate = random_bf16_values(static_cast<size_t>(rows * g_ld), 27, 4.0);
-    const auto w = uniform(static_cast<size_t>(d), 28, 0.5, 1.5);
-    auto d_o = upload(o);
-    auto d_gate = up_bf16(gate);
-    auto d_w = upload(w);
-    DeviceBuffer d_out(static_cast<size_t>(rows * C) * sizeof(bf16));
-    K3_CU(ops::cuda::kda_gated_norm(d_o.get<float>(), d_gate.get<bf16>(), g_ld, d_w.get<float>(), 1e-5f,
-                                    d_out.get<bf16>(), rows, H, d, st()));
-    std::vector<float> gate_c(static_cast<size_t>(rows * C)), ref(static_cast<size_t>(rows * C));
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(&gate[r * g_ld], C, &gate_c[r * C]);
-    ops::kda_gated_norm(o.data(), gate_c.data(), w.data(), 1e-5f, ref.data(), rows, H, d);
-    expect_close(down_bf16(d_out, ref.size()), ref, 5e-3, 0, "kda_gated_norm");
-  }
+  // A strided gate, as the layer reads it from the packed projection.
+  const int64_t g_ld = C + 12;
+  const auto o = uniform(static_cast<size_t>(rows * C), 26, -0.7, 0.7);
+  const auto gate = random_bf16_values(static_cast<size_t>(rows * g_ld), 27, 4.0);
+  const auto w = uniform(static_cast<size_t>(d), 28, 0.5, 1.5);
+  auto d_o = upload(o);
+  auto d_gate = up_bf16(gate);
+  auto d_w = upload(w);
+  DeviceBuffer d_out(static_cast<size_t>(rows * C) * sizeof(bf16));
+  K3_CU(ops::cuda::kda_gated_norm(d_o.get<float>(), d_gate.get<bf16>(), g_ld, d_w.get<float>(), 1e-5f,
+                                  d_out.get<bf16>(), rows, H, d, st()));
+  std::vector<float> gate_c(static_cast<size_t>(rows * C)), ref(static_cast<size_t>(rows * C));
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(&gate[r * g_ld], C, &gate_c[r * C]);
+  ops::kda_gated_norm(o.data(), gate_c.data(), w.data(), 1e-5f, ref.data(), rows, H, d);
+  expect_close(down_bf16(d_out, ref.size()), ref, 5e-3, 0, "kda_gated_norm");
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, KdaPointwiseCuda,
+INSTANTIATE_TEST_SUITE_P(Shapes, KdaGatedNormCuda,
                          ::testing::Values(KdaShape{1, 12, 128}, KdaShape{64, 12, 128}, KdaShape{5, 3, 20},
                                            KdaShape{7, 2, 33}, KdaShape{3, 1, 300}));
 
@@ -611,8 +498,18 @@ TEST(KdaCuda, RejectsBadShapes) {
   EXPECT_NE(ops::cuda::kda_replay(none, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 4, 8, 12, 128, 128, st()),
             0);  // a replay without kept inputs
   EXPECT_NE(ops::cuda::short_conv_commit(nullptr, nullptr, nullptr, nullptr, 1, 4, 8, 9, st()), 0);  // K > 8
-  EXPECT_NE(ops::cuda::short_conv_silu(nullptr, 8, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, 1, 8, 9, st()),
-            0);  // K > 8
+  const ops::cuda::KdaPrep none_p{};
+  EXPECT_NE(ops::cuda::kda_prep(none_p, 1, 1, 1, 12, 128, 9, st()), 0);    // K > 8
+  EXPECT_NE(ops::cuda::kda_prep(none_p, 1, 1, 1, 1, 257, 4, st()), 0);     // d > 256
+  EXPECT_NE(ops::cuda::kda_prep(none_p, 1, 2, 1, 12, 128, 4, st()), 0);    // q_len > max_q
+  ops::cuda::KdaPrep narrow{};
+  narrow.proj_ld = 3 * 12 * 128 - 1;
+  EXPECT_NE(ops::cuda::kda_prep(narrow, 1, 1, 1, 12, 128, 4, st()), 0);    // proj narrower than q | k | v
+  narrow.proj_ld = 4 * 12 * 128 + 128 + 12;
+  narrow.b_col = 4 * 12 * 128 + 128 + 1;
+  EXPECT_NE(ops::cuda::kda_prep(narrow, 1, 1, 1, 12, 128, 4, st()), 0);    // b past the row
+  narrow.b_col = 4 * 12 * 128 + 128;
+  EXPECT_NE(ops::cuda::kda_prep(narrow, 1, 1, 1, 12, 128, 4, st()), 0);    // null pointers
 }
 
 }  // namespace
