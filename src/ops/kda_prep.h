@@ -49,7 +49,7 @@ struct KdaPrep {
   int64_t b_col = 0;
   const bf16* u = nullptr;               // [rows, C] f_b f_a
   const float* conv_w[3] = {};           // [C, K] each
-  const float* conv_pool[3] = {};        // [num_slots, C, K-1] each: committed states (read only)
+  const float* conv_pool[3] = {};        // [num_slots, C, K-1] each: committed states (read only; null if K = 1)
   float* conv_kept[3] = {};              // [num_slots, max_q, C] each: the step's F32 pre-conv inputs (or null)
   const int32_t* slots = nullptr;        // [B]
   const float* A_log = nullptr;          // [>= H]
