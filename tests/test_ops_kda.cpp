@@ -10,12 +10,14 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/bf16.h"
 #include "core/rng.h"
 #include "test_util.h"
 #include "ops/kda.h"
+#include "ops/kda_prep.h"
 #include "ops/short_conv.h"
 
 namespace {
@@ -438,6 +440,56 @@ TEST(OpsKdaGatedNorm, NormIsPerHead) {
     EXPECT_EQ(a[j], b[j]);
     EXPECT_EQ(a[2 * dv + j], b[2 * dv + j]);
     EXPECT_NEAR(a[dv + j], b[dv + j], 0x1p-7 * std::max(1.0f, std::fabs(a[dv + j])));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// kda_prep: the ops above composed (the CPU reference of the fused CUDA op), bit for bit; beta may alias b.
+
+TEST(OpsKdaPrep, IsTheComposedOpsBitForBit) {
+  Rng rng(661);
+  for (auto [H, d, K] : {std::tuple{3, 7, 4}, std::tuple{2, 128, 4}, std::tuple{1, 5, 1}}) {
+    for (int64_t T : kTs) {
+      const int64_t C = int64_t{H} * d;
+      const std::string what = "kda_prep H " + std::to_string(H) + " d " + std::to_string(d) + " T " + std::to_string(T);
+      std::vector<float> x[3], w[3], state[3];
+      for (int j = 0; j < 3; ++j) {
+        x[j] = rand_act(rng, T * C, 1.5);
+        w[j] = rand_f32(rng, C * K, 0.6);
+        state[j] = rand_act(rng, C * (K - 1), 1.5);
+      }
+      const auto u = rand_act(rng, T * C, 2.0), b = rand_act(rng, T * H, 2.0);
+      const auto A_log = rand_f32(rng, H, 0.5), dt_bias = rand_f32(rng, C, 0.5);
+      // The composition, op by op.
+      std::vector<float> want_y[3], want_state[3] = {state[0], state[1], state[2]};
+      for (int j = 0; j < 3; ++j) {
+        want_y[j].resize(T * C);
+        k3::ops::short_conv_silu(x[j].data(), w[j].data(), want_state[j].data(), want_y[j].data(), T, C, K);
+      }
+      k3::ops::l2norm_heads(want_y[0].data(), T, H, d, 1.0f / std::sqrt(static_cast<float>(d)));
+      k3::ops::l2norm_heads(want_y[1].data(), T, H, d, 1.0f);
+      std::vector<float> want_g(T * C), want_beta(T * H);
+      k3::ops::kda_gate(u.data(), A_log.data(), dt_bias.data(), -5.0f, want_g.data(), T, H, d);
+      k3::ops::kda_beta(b.data(), want_beta.data(), T, H);
+      // kda_prep, beta written over b.
+      k3::ops::KdaPrepWeights pw;
+      for (int j = 0; j < 3; ++j) pw.conv[j] = w[j].data();
+      pw.A_log = A_log.data();
+      pw.dt_bias = dt_bias.data();
+      pw.lower_bound = -5.0f;
+      std::vector<float> y[3] = {std::vector<float>(T * C), std::vector<float>(T * C), std::vector<float>(T * C)};
+      std::vector<float> g(T * C), beta = b;
+      const float* xs[3] = {x[0].data(), x[1].data(), x[2].data()};
+      float* ss[3] = {state[0].data(), state[1].data(), state[2].data()};
+      float* ys[3] = {y[0].data(), y[1].data(), y[2].data()};
+      k3::ops::kda_prep(xs, u.data(), beta.data(), pw, ss, ys, g.data(), beta.data(), T, H, d, K);
+      for (int j = 0; j < 3; ++j) {
+        EXPECT_EQ(y[j], want_y[j]) << what << " y" << j;
+        EXPECT_EQ(state[j], want_state[j]) << what << " state" << j;
+      }
+      EXPECT_EQ(g, want_g) << what << " g";
+      EXPECT_EQ(beta, want_beta) << what << " beta";
+    }
   }
 }
 

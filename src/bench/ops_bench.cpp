@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -20,6 +21,7 @@
 #include "core/rng.h"
 #include "ops/dsa.h"
 #include "ops/kda.h"
+#include "ops/kda_prep.h"
 #include "ops/linear.h"
 #include "ops/mla.h"
 #include "ops/moe.h"
@@ -233,8 +235,54 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
     }
 
   }
-  // 3. KDA recurrence: 12 heads of 128 x 128 FP32 state per request, q tokens.
+  // 3. KDA: the step's prep (convs, norms, gate, beta in one kernel), then the recurrence: 12 heads of 128 x 128
+  // FP32 state per request, q tokens.
   if (want("kda")) {
+    fmt::print("\nKDA prep (12 heads, d 128, K 4): q, k, v convs + SiLU, q / k l2 norms, gate, beta, kept inputs\n");
+    {
+      const int H = 12, d = 128, K = 4, maxB = 64, maxq = 8;
+      const int64_t C = int64_t{H} * d, P = (4 * C + d + H + 15) / 16 * 16, R = int64_t{maxB} * maxq;
+      DeviceBuffer proj = random_buffer(R * P * 2, 0, s, 31), u = random_buffer(R * C * 2, 0, s, 32);
+      DeviceBuffer conv_w = random_buffer(3 * C * K * 4, 1, s, 33);
+      DeviceBuffer pool = random_buffer(3 * int64_t{maxB} * C * (K - 1) * 4, 1, s, 34);
+      DeviceBuffer kept(3 * R * C * 4), A_log = random_buffer(H * 4, 1, s, 35), dt = random_buffer(C * 4, 1, s, 36);
+      DeviceBuffer qn(R * C * 4), kn(R * C * 4), v(R * C * 2), g(R * C * 4), beta(R * H * 4), slots(maxB * 4);
+      std::vector<int32_t> sl(maxB);
+      for (int b = 0; b < maxB; ++b) sl[b] = b;
+      CUDA_CHECK(cudaMemcpy(slots.get(), sl.data(), maxB * 4, cudaMemcpyHostToDevice));
+      cu::KdaPrep p;
+      p.proj = proj.get<bf16>();
+      p.proj_ld = P;
+      p.b_col = 4 * C + d;
+      p.u = u.get<bf16>();
+      for (int j = 0; j < 3; ++j) {
+        p.conv_w[j] = conv_w.get<float>() + j * C * K;
+        p.conv_pool[j] = pool.get<float>() + j * int64_t{maxB} * C * (K - 1);
+        p.conv_kept[j] = kept.get<float>() + j * R * C;
+      }
+      p.slots = slots.get<int32_t>();
+      p.A_log = A_log.get<float>();
+      p.dt_bias = dt.get<float>();
+      p.lower_bound = -5.0f;
+      p.q_scale = 1.0f / std::sqrt(static_cast<float>(d));
+      p.q = qn.get<float>();
+      p.k = kn.get<float>();
+      p.v = v.get<bf16>();
+      p.g = g.get<float>();
+      p.beta = beta.get<float>();
+      for (int B : {1, 8, 64})
+        for (int qq : {1, 2, 4, 8}) {
+          const double us = time_us(s, [&] { K3_OK(cu::kda_prep(p, B, qq, maxq, H, d, K, s)); });
+          const double rows = double(B) * qq;
+          // Read: q | k | v, b, u, the conv states and weights, dt_bias; written: q, k, g (F32), v (BF16), beta,
+          // the kept inputs (F32).
+          const double bytes = rows * (3 * C + H + C) * 2 + 3.0 * B * C * (K - 1) * 4 + 3.0 * C * K * 4 + C * 4.0 +
+                               rows * (3 * C * 4 + C * 2 + H * 4 + 3 * C * 4);
+          fmt::print("  B {:>2} q {}: {:>8.1f} us, floor {:>7.1f} us, {:>5.0f}%\n", B, qq, us, bytes / bw * 1e6,
+                     100 * bytes / bw * 1e6 / us);
+          record("kda_prep", fmt::format("B{} q{}", B, qq), us, bytes, {{"B", B}, {"q", qq}});
+        }
+    }
     fmt::print("\nKDA recurrence (12 heads, d 128): state read once, the last token's state written once, "
                "q > 1 keeps k, g, v, beta\n");
     {

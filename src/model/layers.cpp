@@ -8,12 +8,12 @@
 #include "ops/dsa.h"
 #include "ops/elementwise.h"
 #include "ops/kda.h"
+#include "ops/kda_prep.h"
 #include "ops/linear.h"
 #include "ops/mla.h"
 #include "ops/moe.h"
 #include "ops/rmsnorm.h"
 #include "ops/router.h"
-#include "ops/short_conv.h"
 
 namespace k3 {
 
@@ -39,22 +39,31 @@ void kda_attention(const ModelConfig& c, const KdaWeights& w, int layer, const f
   Buf gate = column(3 * C, C), fa = column(4 * C, d), beta = column(4 * C + d, H);
   Buf u = buf(rows * C), g = buf(rows * C);
   ops::linear(fa.data(), w.f_b, u.data(), rows, d, C);
-  ops::kda_gate(u.data(), w.A_log, w.dt_bias, c.kda.gate_lower_bound, g.data(), rows, H, d);
-  ops::kda_beta(beta.data(), beta.data(), rows, H);
-  const float* conv_w[3] = {w.q_conv, w.k_conv, w.v_conv};
+  ops::KdaPrepWeights pw;
+  pw.conv[0] = w.q_conv;
+  pw.conv[1] = w.k_conv;
+  pw.conv[2] = w.v_conv;
+  pw.A_log = w.A_log;
+  pw.dt_bias = w.dt_bias;
+  pw.lower_bound = c.kda.gate_lower_bound;
   Buf act[3] = {buf(rows * C), buf(rows * C), buf(rows * C)};
-  Buf o = buf(rows * C), conv_state = buf(C * (K - 1));
+  Buf o = buf(rows * C), conv_state[3] = {buf(C * (K - 1)), buf(C * (K - 1)), buf(C * (K - 1))};
   for (int b = 0; b < s.B; ++b) {
     KdaSlotState st = cache.kda(layer, b);
     const int64_t r0 = b * q;
+    // The committed conv states are read, not written (commit advances them): kda_prep runs on copies.
+    const float* xs[3];
+    float* states[3];
+    float* ys[3];
     for (int j = 0; j < 3; ++j) {
       std::copy(raw[j].begin() + r0 * C, raw[j].begin() + (r0 + q) * C, st.conv_x[j]);
-      std::copy(st.conv[j], st.conv[j] + C * (K - 1), conv_state.begin());
-      ops::short_conv_silu(raw[j].data() + r0 * C, conv_w[j], conv_state.data(), act[j].data() + r0 * C, q,
-                           C, K);
+      std::copy(st.conv[j], st.conv[j] + C * (K - 1), conv_state[j].begin());
+      xs[j] = raw[j].data() + r0 * C;
+      states[j] = conv_state[j].data();
+      ys[j] = act[j].data() + r0 * C;
     }
-    ops::l2norm_heads(act[0].data() + r0 * C, q, H, d, 1.0f / std::sqrt(static_cast<float>(d)));
-    ops::l2norm_heads(act[1].data() + r0 * C, q, H, d, 1.0f);
+    ops::kda_prep(xs, u.data() + r0 * C, beta.data() + r0 * H, pw, states, ys, g.data() + r0 * C,
+                  beta.data() + r0 * H, q, H, d, K);
     std::copy(st.S, st.S + C * d, st.S_next);
     ops::kda_recurrence(act[0].data() + r0 * C, act[1].data() + r0 * C, act[2].data() + r0 * C, g.data() + r0 * C,
                         beta.data() + r0 * H, st.S_next, o.data() + r0 * C, q, H, d, d);

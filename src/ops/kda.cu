@@ -1,8 +1,8 @@
 // CUDA kernels of Kimi Delta Attention (see kda.h for the math).
 //
-//   kda_gate / kda_beta: elementwise, FP32 math on BF16 inputs.
-//   l2norm_heads, kda_gated_norm: one warp per (row, head); the sum of squares in
-//     double like the CPU reference, then the same FP32 ops and BF16 roundings.
+//   (the gate, beta and the q / k l2 norms run in kda_prep, ops/kda_prep.cu)
+//   kda_gated_norm: one warp per (row, head); the sum of squares in double like the
+//     CPU reference, then the same FP32 ops and BF16 roundings.
 //   kda_recurrence: rows of S [dv, dk] evolve independently, so a CTA of 4 warps owns
 //     8 rows of one (request, head) (fewer rows per CTA when that leaves SMs idle);
 //     each lane keeps float4 column chunks of its warp's rows in registers (coalesced
@@ -30,45 +30,9 @@ using detail::warp_sum;
 using detail::round_bf16_dev;
 using detail::sigmoid;
 
-constexpr int kEltThreads = 256;
-constexpr int kNormWarps = 8;  // (row, head) pairs per CTA of the per-head norms
+constexpr int kNormWarps = 8;  // (row, head) pairs per CTA of the gated norm
 
 unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
-
-__global__ void kda_gate_kernel(const bf16raw* __restrict__ u, const float* __restrict__ A_log,
-                                const float* __restrict__ dt_bias, float lower_bound, float* __restrict__ g, int64_t n,
-                                int H, int dk) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kEltThreads + threadIdx.x;
-  if (i >= n) return;
-  const int64_t j = i % (static_cast<int64_t>(H) * dk);
-  const float a = expf(A_log[j / dk]);
-  g[i] = lower_bound * sigmoid(a * (__bfloat162float(u[i]) + dt_bias[j]));
-}
-
-__global__ void kda_beta_kernel(const bf16raw* __restrict__ b, int64_t b_ld, float* __restrict__ beta, int64_t n,
-                                int H) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * kEltThreads + threadIdx.x;
-  if (i >= n) return;
-  const int64_t r = i / H, h = i % H;
-  beta[i] = sigmoid(__bfloat162float(b[r * b_ld + h]));
-}
-
-__global__ void l2norm_heads_kernel(const bf16raw* __restrict__ x, float* __restrict__ out, int64_t pairs, int d,
-                                    float scale) {
-  const int64_t p = static_cast<int64_t>(blockIdx.x) * kNormWarps + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (p >= pairs) return;
-  const bf16raw* xr = x + p * d;
-  double ss = 0.0;
-  for (int j = lane; j < d; j += 32) {
-    const double v = __bfloat162float(xr[j]);
-    ss += v * v;
-  }
-  ss = warp_sum(ss);
-  const float f = scale / sqrtf(static_cast<float>(ss) + 1e-6f);
-  float* yr = out + p * d;
-  for (int j = lane; j < d; j += 32) yr[j] = __bfloat162float(xr[j]) * f;
-}
 
 __global__ void kda_gated_norm_kernel(const float* __restrict__ o, const bf16raw* __restrict__ gate, int64_t gate_ld,
                                       const float* __restrict__ w, float eps, bf16raw* __restrict__ out, int64_t pairs,
@@ -253,34 +217,6 @@ int launch_rec(const RecArgs& a, int B, CUstream_st* stream) {
 }
 
 }  // namespace
-
-int kda_gate(const bf16* u, const float* A_log, const float* dt_bias, float lower_bound, float* g, int64_t rows, int H,
-             int dk, CUstream_st* stream) {
-  if (rows < 0 || H <= 0 || dk <= 0) return cudaErrorInvalidValue;
-  const int64_t n = rows * H * dk;
-  if (n == 0) return cudaSuccess;
-  kda_gate_kernel<<<blocks_for(n, kEltThreads), kEltThreads, 0, stream>>>(reinterpret_cast<const bf16raw*>(u), A_log,
-                                                                          dt_bias, lower_bound, g, n, H, dk);
-  return cudaGetLastError();
-}
-
-int kda_beta(const bf16* b, int64_t b_ld, float* beta, int64_t rows, int H, CUstream_st* stream) {
-  if (rows < 0 || H <= 0 || b_ld < H) return cudaErrorInvalidValue;
-  const int64_t n = rows * H;
-  if (n == 0) return cudaSuccess;
-  kda_beta_kernel<<<blocks_for(n, kEltThreads), kEltThreads, 0, stream>>>(reinterpret_cast<const bf16raw*>(b), b_ld,
-                                                                          beta, n, H);
-  return cudaGetLastError();
-}
-
-int l2norm_heads(const bf16* x, float* out, int64_t rows, int H, int d, float scale, CUstream_st* stream) {
-  if (rows < 0 || H <= 0 || d <= 0) return cudaErrorInvalidValue;
-  const int64_t pairs = rows * H;
-  if (pairs == 0) return cudaSuccess;
-  l2norm_heads_kernel<<<blocks_for(pairs, kNormWarps), kNormWarps * 32, 0, stream>>>(
-      reinterpret_cast<const bf16raw*>(x), out, pairs, d, scale);
-  return cudaGetLastError();
-}
 
 int kda_recurrence(const float* q, const float* k, const bf16* v, const float* g, const float* beta, float* state_pool,
                    const int32_t* read_idx, const int32_t* write_idx, KdaKept kept, const int32_t* slots, float* o,

@@ -48,6 +48,7 @@ void kda_gated_norm(const float* o, const float* gate, const float* o_norm_w, fl
 // is current (runtime/gpu/caches.h). A step reads state read_idx[b], never writes it, and writes only the state
 // after its last token to state write_idx[b]; with q_len > 1 it also keeps its per-token recurrence inputs in
 // the slot's rows of a KdaKept pool, from which kda_replay rebuilds the state after n < q_len accepted tokens.
+// The recurrence's inputs (l2-normalized q and k, v, the gate g and beta) come from kda_prep (ops/kda_prep.h).
 namespace k3::ops::cuda {
 
 // A step's per-token recurrence inputs, per slot, all F32: k and g [num_slots, max_q, H, dk] (the l2-normalized
@@ -58,16 +59,6 @@ struct KdaKept {
   float* v = nullptr;
   float* beta = nullptr;
 };
-
-// u BF16 [rows, H*dk], A_log F32 [>= H], dt_bias F32 [H*dk] -> g F32 [rows, H*dk].
-int kda_gate(const bf16* u, const float* A_log, const float* dt_bias, float lower_bound, float* g, int64_t rows, int H,
-             int dk, CUstream_st* stream);
-
-// b BF16 [rows, b_ld] (columns [0, H) used) -> beta F32 [rows, H].
-int kda_beta(const bf16* b, int64_t b_ld, float* beta, int64_t rows, int H, CUstream_st* stream);
-
-// x BF16 [rows, H*d] -> out F32 [rows, H*d] = x_h / sqrt(|x_h|^2 + 1e-6) * scale per head.
-int l2norm_heads(const bf16* x, float* out, int64_t rows, int H, int d, float scale, CUstream_st* stream);
 
 // q, k, g F32 [B*q_len, H*dk]; v BF16 [B*q_len, H*dv]; beta F32 [B*q_len, H]; state_pool F32 [num_states, H, dv, dk]:
 // reads state read_idx[b], writes the state after the last token to state write_idx[b] (!= read_idx[b]);

@@ -22,6 +22,10 @@
 // More rows (and 2..64 rows that the skinny kernel does not take): cuBLASLt in column-major terms,
 // y^T [out, rows] = (W^T [in, out])^T x^T [in, rows], BF16 A/B, FP32 compute and scale, BF16 or FP32
 // C = D, split-K reductions (if any) in FP32; the hand-written kernels if it has no algorithm.
+//
+// linear_ld: the same with x's rows x_ld elements apart (a slice of a wider matrix read in place): the
+// rows kernel steps x_ld per row (16-byte chunks when x_ld % 8 == 0 too), cuBLASLt takes ldx = x_ld,
+// the skinny kernel is not taken.
 #include <cublasLt.h>
 
 #include <algorithm>
@@ -57,8 +61,9 @@ __device__ __forceinline__ void load_ro(const bf16* p, float (&f)[VEC]) {
 // the separate kernel's.
 template <int RT, int VEC>
 __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                          void* __restrict__ y, bool y_f32, int64_t rows, int64_t in, int64_t out,
-                                          int64_t row_tiles, int64_t block, float (&red)[kLinThreads / kWarp][kLinOut * RT]) {
+                                          void* __restrict__ y, bool y_f32, int64_t rows, int64_t in, int64_t x_ld,
+                                          int64_t out, int64_t row_tiles, int64_t block,
+                                          float (&red)[kLinThreads / kWarp][kLinOut * RT]) {
   const int64_t rt = block % row_tiles, ot = block / row_tiles;
   const int64_t r0 = rt * RT, o0 = ot * kLinOut;
   const int nr = static_cast<int>(min(static_cast<int64_t>(RT), rows - r0));
@@ -86,7 +91,7 @@ __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16
     for (int r = 0; r < RT; ++r) {
       if (r < nr) {
         float xv[VEC];
-        load_ro<VEC>(x + (r0 + r) * in + c * VEC, xv);
+        load_ro<VEC>(x + (r0 + r) * x_ld + c * VEC, xv);
 #pragma unroll
         for (int o = 0; o < kLinOut; ++o) {
 #pragma unroll
@@ -126,9 +131,9 @@ __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16
 template <int RT, int VEC>
 __global__ void __launch_bounds__(kLinThreads)
     linear_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, bool y_f32,
-                       int64_t rows, int64_t in, int64_t out, int64_t row_tiles) {
+                       int64_t rows, int64_t in, int64_t x_ld, int64_t out, int64_t row_tiles) {
   __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
-  rows_tile<RT, VEC>(x, w, y, y_f32, rows, in, out, row_tiles, blockIdx.x, red);
+  rows_tile<RT, VEC>(x, w, y, y_f32, rows, in, x_ld, out, row_tiles, blockIdx.x, red);
 }
 
 // The projections of one grouped launch: projection j owns blocks [begin[j], begin[j + 1]) of the grid.
@@ -153,37 +158,38 @@ __global__ void __launch_bounds__(kLinThreads)
 #pragma unroll
   for (int k = 1; k < kLinearGroupMax; ++k)
     if (k < g.n && b >= g.begin[k]) j = k;
-  rows_tile<RT, VEC>(x, g.w[j], g.y[j], g.y_f32[j], rows, in, g.out[j], row_tiles, b - g.begin[j], red);
+  rows_tile<RT, VEC>(x, g.w[j], g.y[j], g.y_f32[j], rows, in, in, g.out[j], row_tiles, b - g.begin[j], red);
 }
 
 template <int RT, int VEC>
-int launch_rows(const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in, int64_t out,
-                cudaStream_t s) {
+int launch_rows(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
+                int64_t out, cudaStream_t s) {
   const int64_t row_tiles = (rows + RT - 1) / RT;
   const int64_t blocks = row_tiles * ((out + kLinOut - 1) / kLinOut);
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   linear_rows_kernel<RT, VEC>
-      <<<static_cast<unsigned>(blocks), kLinThreads, 0, s>>>(x, w, y, y_f32, rows, in, out, row_tiles);
+      <<<static_cast<unsigned>(blocks), kLinThreads, 0, s>>>(x, w, y, y_f32, rows, in, x_ld, out, row_tiles);
   return cudaGetLastError();
 }
 
 // The one place the row count and the vector width become compile-time.
 template <int VEC>
-int dispatch_rows(const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in, int64_t out,
-                  cudaStream_t s) {
-  if (rows <= 1) return launch_rows<1, VEC>(x, w, y, y_f32, rows, in, out, s);
-  if (rows <= 2) return launch_rows<2, VEC>(x, w, y, y_f32, rows, in, out, s);
-  if (rows <= 4) return launch_rows<4, VEC>(x, w, y, y_f32, rows, in, out, s);
-  return launch_rows<8, VEC>(x, w, y, y_f32, rows, in, out, s);
+int dispatch_rows(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
+                  int64_t out, cudaStream_t s) {
+  if (rows <= 1) return launch_rows<1, VEC>(x, x_ld, w, y, y_f32, rows, in, out, s);
+  if (rows <= 2) return launch_rows<2, VEC>(x, x_ld, w, y, y_f32, rows, in, out, s);
+  if (rows <= 4) return launch_rows<4, VEC>(x, x_ld, w, y, y_f32, rows, in, out, s);
+  return launch_rows<8, VEC>(x, x_ld, w, y, y_f32, rows, in, out, s);
 }
 
 // Whether linear_rows_kernel takes 16-byte chunks for (x, w).
 bool rows_vec(const bf16* x, const bf16* w, int64_t in) { return in % 8 == 0 && aligned16(x) && aligned16(w); }
 
-int linear_kernel(const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in, int64_t out,
-                  cudaStream_t s) {
-  return rows_vec(x, w, in) ? dispatch_rows<8>(x, w, y, y_f32, rows, in, out, s)
-                            : dispatch_rows<1>(x, w, y, y_f32, rows, in, out, s);
+// x's rows x_ld elements apart: 16-byte chunks need every row aligned too.
+int linear_kernel(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
+                  int64_t out, cudaStream_t s) {
+  return rows_vec(x, w, in) && x_ld % 8 == 0 ? dispatch_rows<8>(x, x_ld, w, y, y_f32, rows, in, out, s)
+                                             : dispatch_rows<1>(x, x_ld, w, y, y_f32, rows, in, out, s);
 }
 
 template <int RT, int VEC>
@@ -207,12 +213,12 @@ int dispatch_rows_group(const bf16* x, const RowsGroup& g, int64_t rows, int64_t
 }
 
 // Largest power of two (<= 256) dividing the address: cuBLASLt's alignment preference.
-uint32_t alignment_of(const void* p) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+uint32_t alignment_of_bytes(uint64_t a) {
   uint32_t al = 256;
   while (al > 1 && (a % al) != 0) al /= 2;
   return al;
 }
+uint32_t alignment_of(const void* p) { return alignment_of_bytes(reinterpret_cast<uintptr_t>(p)); }
 
 struct LtDescs {
   cublasLtMatmulDesc_t op = nullptr;
@@ -264,7 +270,12 @@ bool cublaslt_product(const Context& ctx, const bf16* x, int64_t ldx, int64_t st
   if (!ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &reduction,
                                                sizeof(reduction))))
     return false;
-  const uint32_t al_a = alignment_of(w), al_b = alignment_of(x), al_c = alignment_of(y);
+  // A plain product's x read in place from a wider matrix (ldx > in): its later columns are only as aligned
+  // as ldx's bytes, so the preference says no more than that.
+  const uint32_t al_x = batch == 1 && ldx != in
+                            ? std::min(alignment_of(x), alignment_of_bytes(static_cast<uint64_t>(ldx) * 2))
+                            : alignment_of(x);
+  const uint32_t al_a = alignment_of(w), al_b = al_x, al_c = alignment_of(y);
   if (!ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a,
                                                sizeof(al_a))) ||
       !ok(cublasLtMatmulPreferenceSetAttribute(d.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b,
@@ -283,33 +294,43 @@ bool cublaslt_product(const Context& ctx, const bf16* x, int64_t ldx, int64_t st
                            reinterpret_cast<cudaStream_t>(ctx.stream)));
 }
 
-bool linear_cublaslt(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
-                     int64_t in, int64_t out) {
-  return cublaslt_product(ctx, x, in, 0, w, in, 0, true, y, y_f32, out, 0, rows, in, out, 1);
+bool linear_cublaslt(const Context& ctx, const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32,
+                     int64_t rows, int64_t in, int64_t out) {
+  return cublaslt_product(ctx, x, x_ld, 0, w, in, 0, true, y, y_f32, out, 0, rows, in, out, 1);
 }
 
 }  // namespace
 
-int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
-               int64_t in, int64_t out) {
-  if (rows < 0 || in <= 0 || out <= 0) return cudaErrorInvalidValue;
+int linear_ld_via(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld, const bf16* w, void* y,
+                  bool y_f32, int64_t rows, int64_t in, int64_t out) {
+  if (rows < 0 || in <= 0 || out <= 0 || x_ld < in) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if (x == nullptr || w == nullptr || y == nullptr) return cudaErrorInvalidValue;
   const bool skinny = (path == LinearPath::Kernel || (path == LinearPath::Auto && kLinearAutoSkinny)) &&
-                      linear_skinny_fits(rows, in, x, w);
+                      x_ld == in && linear_skinny_fits(rows, in, x, w);
   const bool lt = path == LinearPath::CublasLt ||
                   (path == LinearPath::Auto && rows > kLinearRowsKernelMaxRows && !skinny);
-  if (lt && linear_cublaslt(ctx, x, w, y, y_f32, rows, in, out)) return cudaGetLastError();
+  if (lt && linear_cublaslt(ctx, x, x_ld, w, y, y_f32, rows, in, out)) return cudaGetLastError();
   if (skinny) {
     const int e = linear_skinny(ctx, x, w, y, y_f32, rows, in, out);
     if (e != cudaErrorNotSupported) return e;  // not supported: the device cannot run it, nothing enqueued
   }
-  return linear_kernel(x, w, y, y_f32, rows, in, out, reinterpret_cast<cudaStream_t>(ctx.stream));
+  return linear_kernel(x, x_ld, w, y, y_f32, rows, in, out, reinterpret_cast<cudaStream_t>(ctx.stream));
+}
+
+int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
+               int64_t in, int64_t out) {
+  return linear_ld_via(ctx, path, x, in, w, y, y_f32, rows, in, out);
 }
 
 int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
            int64_t out) {
   return linear_via(ctx, LinearPath::Auto, x, w, y, y_f32, rows, in, out);
+}
+
+int linear_ld(const Context& ctx, const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, int64_t rows,
+              int64_t in, int64_t out) {
+  return linear_ld_via(ctx, LinearPath::Auto, x, x_ld, w, y, y_f32, rows, in, out);
 }
 
 bool linear_group_fits(const bf16* x, int64_t in, const LinearOut* outs, int n) {

@@ -39,12 +39,20 @@ constexpr int64_t kLinearSkinnyMaxRows = 64;
 constexpr bool kLinearAutoSkinny = false;
 int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
            int64_t out);
+// The same with the rows of x x_ld elements apart (x_ld >= in; a column slice of a wider matrix, read in
+// place): the same paths, except that the skinny kernel takes only x_ld == in (cuBLASLt instead). At 1 row
+// (linear_rows_kernel) the bits are linear()'s on the compacted rows; cuBLASLt may pick another algorithm
+// for the strided layout.
+int linear_ld(const Context& ctx, const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, int64_t rows,
+              int64_t in, int64_t out);
 // The same with the path forced (benchmarks compare them): Kernel = the hand-written kernels (skinny for
 // the rows and shapes it takes, else linear_rows_kernel at any row count); CublasLt = cuBLASLt (the
 // hand-written kernels if cuBLASLt has no algorithm); Auto = linear().
 enum class LinearPath { Auto, Kernel, CublasLt };
 int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
                int64_t in, int64_t out);
+int linear_ld_via(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld, const bf16* w, void* y,
+                  bool y_f32, int64_t rows, int64_t in, int64_t out);
 
 // Several projections of the same input rows: y_j [rows, out_j] = x W_j^T for j < n (n <= kLinearGroupMax),
 // each as linear(ctx, x, w_j, y_j, y_f32_j, rows, in, out_j) would compute it, bitwise. At the rows

@@ -12,7 +12,6 @@
 
 #include <cstdint>
 
-#include "core/bf16.h"
 #include "ops/cuda_context.h"
 
 namespace k3::ops {
@@ -25,15 +24,10 @@ void short_conv_advance(const float* x, float* state, int64_t n, int64_t C, int 
 
 }  // namespace k3::ops
 
-// CUDA: a step of B requests x q_len tokens (request b's tokens are rows [b q_len, (b+1) q_len)).
-// The committed conv state of slot slots[b] is read, never written; the step keeps its pre-conv inputs in
-// the slot's rows of x_kept, and short_conv_commit advances the state by the accepted ones.
+// CUDA: the step's conv + SiLU runs in kda_prep (ops/kda_prep.h): it reads the committed conv state of
+// slot slots[b], never writes it, and keeps the step's pre-conv inputs in the slot's rows of x_kept
+// [num_slots, max_q, C]; short_conv_commit advances the state by the accepted ones.
 namespace k3::ops::cuda {
-
-// x BF16 [B*q_len, x_ld] (channels [0, C) of each row), w F32 [C, K], conv_pool F32 [num_slots, C, K-1] (read only),
-// x_kept F32 [num_slots, max_q, C] (or null), slots [B], y BF16 [B*q_len, C]; 1 <= K <= 8, q_len <= max_q.
-int short_conv_silu(const bf16* x, int64_t x_ld, const float* w, const float* conv_pool, float* x_kept,
-                    const int32_t* slots, bf16* y, int B, int q_len, int max_q, int64_t C, int K, CUstream_st* stream);
 
 // For each b with n = accepted[b] in [1, max_q]: conv_pool[slots[b]] <- the last K-1 of [state, x_kept rows
 // 0 .. n-1 of the slot] (short_conv_advance); n = 0 (or out of range) keeps the state.

@@ -116,6 +116,51 @@ TEST(CudaLinear, UnalignedActivationsTakeTheElementwiseKernel) {
   expect_close(download_bf16(dy, want.size()), want, kOneRounding, 0.0, "linear unaligned x");
 }
 
+// linear_ld: x's rows x_ld apart (KDA's f_b reads f_a in place from the packed projection). Every path on
+// the strided rows against the CPU on the compacted rows; at 1 row Auto gives linear()'s bits on the
+// compacted rows (the same kernel).
+TEST(CudaLinear, StridedRowsMatchTheCompactedRows) {
+  K3_REQUIRE_GPU();
+  struct Case {
+    int64_t in, out, x_ld;
+  };
+  // KDA's f_b at K3 TP8 (d 128 -> 1536 of the 6288-wide projection), an unaligned stride, odd in.
+  const Case cases[] = {{128, 1536, 6288}, {64, 40, 64 + 3}, {37, 33, 50}};
+  uint64_t seed = 900;
+  for (const auto& c : cases) {
+    const auto w = random_bf16_values(static_cast<size_t>(c.in * c.out), seed++, 0.5);
+    DeviceBuffer dw = upload_bf16(w);
+    for (int64_t rows : {1, 2, 5, 64, 65}) {
+      SCOPED_TRACE(testing::Message() << "linear_ld rows " << rows << " in " << c.in << " out " << c.out << " x_ld "
+                                      << c.x_ld);
+      const auto xs = random_bf16_values(static_cast<size_t>(rows * c.x_ld), seed++);
+      std::vector<float> xc(static_cast<size_t>(rows * c.in));
+      for (int64_t r = 0; r < rows; ++r) std::copy_n(&xs[r * c.x_ld], c.in, &xc[r * c.in]);
+      std::vector<float> want(static_cast<size_t>(rows * c.out));
+      const std::vector<bf16> wb = to_bf16_vec(w);
+      ops::linear(xc.data(), wb.data(), want.data(), rows, c.in, c.out);
+      DeviceBuffer dxs = upload_bf16(xs), dxc = upload_bf16(xc);
+      const size_t bytes = static_cast<size_t>(rows * c.out) * 2;
+      for (auto path : {ops::cuda::LinearPath::Auto, ops::cuda::LinearPath::Kernel, ops::cuda::LinearPath::CublasLt}) {
+        DeviceBuffer dy(bytes);
+        ASSERT_EQ(ops::cuda::linear_ld_via(ctx(), path, dxs.get<bf16>(), c.x_ld, dw.get<bf16>(), dy.get(), false,
+                                           rows, c.in, c.out),
+                  0);
+        expect_close(download_bf16(dy, want.size()), want, kOneRounding, 0.0, "linear_ld");
+        if (path == ops::cuda::LinearPath::Auto && rows == 1) {
+          DeviceBuffer dyc(bytes);
+          ASSERT_EQ(ops::cuda::linear(ctx(), dxc.get<bf16>(), dw.get<bf16>(), dyc.get(), false, rows, c.in, c.out), 0);
+          EXPECT_EQ(download<uint16_t>(dy, want.size()), download<uint16_t>(dyc, want.size()))
+              << "1 row: linear()'s bits";
+        }
+      }
+    }
+  }
+  DeviceBuffer dummy(64);
+  EXPECT_NE(ops::cuda::linear_ld(ctx(), dummy.get<bf16>(), 7, dummy.get<bf16>(), dummy.get(), false, 1, 8, 1), 0)
+      << "x_ld < in";
+}
+
 TEST(CudaLinear, MatchesCpuOnK3PerRankShapes) {
   K3_REQUIRE_GPU();
   struct Shape {

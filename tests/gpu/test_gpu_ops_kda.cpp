@@ -1,6 +1,6 @@
 // GPU tests of the KDA-layer CUDA ops against their CPU references (src/ops/*.cpp; the CPU tests:
-// tests/test_ops_kda.cpp): short_conv_silu + short_conv_commit, kda_gate / kda_beta / l2norm_heads /
-// kda_recurrence + kda_replay / kda_gated_norm. Random inputs from fixed seeds (never zeros), odd shapes
+// tests/test_ops_kda.cpp): kda_prep (the convs, l2 norms, gate and beta of a step) + short_conv_commit,
+// kda_recurrence + kda_replay, kda_gated_norm. Random inputs from fixed seeds (never zeros), odd shapes
 // and the K3 per-rank shapes (TP8) at B = 1 and B > 1, the verify semantics (the double-buffered state:
 // read one, write the other; the kept inputs; the commit of every n accepted tokens, bit-identical to a
 // step of those n tokens), and sentinels around every output so that a stray write or read shows.
@@ -12,6 +12,7 @@
 
 #include "gpu_test_util.h"
 #include "ops/kda.h"
+#include "ops/kda_prep.h"
 #include "ops/short_conv.h"
 
 namespace k3 {
@@ -52,150 +53,223 @@ std::vector<float> rows_of(const std::vector<float>& a, int64_t width, int64_t f
   return std::vector<float>(a.begin() + first * width, a.begin() + (first + count) * width);
 }
 
-// ---------------------------------------------------------------- short conv + commit
+// ---------------------------------------------------------------- kda_prep (conv, norms, gate, beta) + commit
 
-struct ConvShape {
-  int B, q, max_q, num_slots;
-  int64_t C;
-  int K;
-  int64_t x_pad;  // extra columns per row of x (a packed projection output)
+struct PrepShape {
+  int B, q, max_q, num_slots, H, d, K;
 };
 
-class ShortConvCuda : public ::testing::TestWithParam<ConvShape> {};
+// Values within `loose` of the largest |want| everywhere and within `tight` of it at all but 1% of them: a
+// conv output may round to the neighbouring BF16 value (CUDA's expf against the CPU's), which moves the
+// l2-normalized values of its (token, head) by up to a BF16 ulp; elsewhere the norms agree to FP32.
+void expect_close_but_rare(const std::vector<float>& got, const std::vector<float>& want, double tight, double loose,
+                           const char* what) {
+  expect_close(got, want, loose, 0, what);
+  double scale = 0;
+  for (float w : want) scale = std::max(scale, static_cast<double>(std::fabs(w)));
+  size_t off = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (!(std::fabs(static_cast<double>(got[i]) - want[i]) <= tight * scale)) ++off;
+  EXPECT_LE(off, got.size() / 100) << what << ": " << off << " of " << got.size() << " values beyond " << tight;
+}
 
-TEST_P(ShortConvCuda, MatchesCpuKeepsInputsAndCommits) {
+// Each output of a launcher in a buffer of n values and kTail more set to kSentinel: the tail must stay.
+constexpr int64_t kTail = 64;
+DeviceBuffer sentinel_f32(int64_t n) {
+  return upload(std::vector<float>(static_cast<size_t>(n + kTail), kSentinel));
+}
+DeviceBuffer sentinel_bf16(int64_t n) {
+  return up_bf16(std::vector<float>(static_cast<size_t>(n + kTail), kSentinel));
+}
+void expect_tail(const std::vector<float>& all, int64_t n, const char* what, float sentinel = kSentinel) {
+  for (int64_t i = n; i < n + kTail; ++i)
+    if (all[i] != sentinel) {
+      ADD_FAILURE() << what << ": written past its end at " << i - n;
+      return;
+    }
+}
+
+class KdaPrepCuda : public ::testing::TestWithParam<PrepShape> {};
+
+TEST_P(KdaPrepCuda, MatchesCpuKeepsInputsAndCommits) {
   K3_REQUIRE_GPU();
-  const ConvShape s = GetParam();
-  const int B = s.B, q = s.q, max_q = s.max_q, K = s.K, S = K - 1;
-  const int64_t C = s.C, x_ld = C + s.x_pad, rows = int64_t{B} * q, st_f = C * S;
-  const auto x = random_bf16_values(static_cast<size_t>(rows * x_ld), 11, 2.0);
-  const auto w = uniform(static_cast<size_t>(C * K), 12, -0.8, 0.8);
-  const auto pool = uniform(static_cast<size_t>(s.num_slots * st_f), 13, -2.0, 2.0);
-  const auto slots = pick_slots(B, s.num_slots, 14);
-  const std::vector<float> kept(static_cast<size_t>(s.num_slots * max_q * C), kSentinel);
-
-  auto d_x = up_bf16(x);
-  auto d_w = upload(w);
-  auto d_pool = upload(pool);
-  auto d_kept = upload(kept);
-  auto d_slots = upload(slots);
-  DeviceBuffer d_y(static_cast<size_t>(rows * C) * sizeof(bf16));
-  K3_CU(ops::cuda::short_conv_silu(d_x.get<bf16>(), x_ld, d_w.get<float>(), d_pool.get<float>(), d_kept.get<float>(),
-                                   d_slots.get<int32_t>(), d_y.get<bf16>(), B, q, max_q, C, K, st()));
-
-  // CPU: per request, from a copy of its committed state; the kept rows are the inputs.
-  std::vector<float> y_ref(static_cast<size_t>(rows * C)), kept_ref = kept;
-  std::vector<std::vector<float>> xs(static_cast<size_t>(B));
-  for (int b = 0; b < B; ++b) {
-    std::vector<float>& xb = xs[b];
-    xb.resize(static_cast<size_t>(q * C));
-    std::vector<float> state(pool.begin() + slots[b] * st_f, pool.begin() + (slots[b] + 1) * st_f);
-    for (int t = 0; t < q; ++t) std::copy_n(&x[(int64_t{b} * q + t) * x_ld], C, &xb[static_cast<size_t>(t * C)]);
-    ops::short_conv_silu(xb.data(), w.data(), state.data(), &y_ref[static_cast<size_t>(b * q * C)], q, C, K);
-    std::copy(xb.begin(), xb.end(), kept_ref.begin() + int64_t{slots[b]} * max_q * C);
+  const PrepShape s = GetParam();
+  const int B = s.B, q = s.q, max_q = s.max_q, H = s.H, d = s.d, K = s.K, S = K - 1;
+  const int64_t C = int64_t{H} * d, rows = int64_t{B} * q, st_f = C * S;
+  // The packed projection as the layer has it: q | k | v | g | f_a | b | padding.
+  const int64_t ld = (4 * C + d + H + 15) / 16 * 16, b_col = 4 * C + d;
+  const uint64_t seed = 3000 + static_cast<uint64_t>(B * 1000 + q * 100 + H * 10 + d + K);
+  const auto proj = random_bf16_values(static_cast<size_t>(rows * ld), seed, 2.0);
+  const auto u = random_bf16_values(static_cast<size_t>(rows * C), seed + 1, 3.0);
+  std::vector<float> conv_w[3], pool[3];
+  for (int j = 0; j < 3; ++j) {
+    conv_w[j] = uniform(static_cast<size_t>(C * K), seed + 2 + j, -0.8, 0.8);
+    pool[j] = uniform(static_cast<size_t>(s.num_slots * st_f), seed + 5 + j, -2.0, 2.0);
   }
-  expect_close(down_bf16(d_y, y_ref.size()), y_ref, 5e-3, 0, "short_conv y");
-  expect_exact(down_f32(d_kept, kept.size()), kept_ref, "kept inputs (and untouched rows)");
-  expect_exact(down_f32(d_pool, pool.size()), pool, "committed conv state is read only");
+  const auto A_log = uniform(static_cast<size_t>(H + 3), seed + 8, -1.5, 1.5);  // padded storage, first H used
+  const auto dt_bias = uniform(static_cast<size_t>(C), seed + 9, -1.0, 1.0);
+  const float lower = -5.0f;
+  const auto slots = pick_slots(B, s.num_slots, seed + 10);
+  const int64_t kept_n = int64_t{s.num_slots} * max_q * C;
+  const std::vector<float> kept(static_cast<size_t>(kept_n), kSentinel);
+
+  auto d_proj = up_bf16(proj);
+  auto d_u = up_bf16(u);
+  auto d_A = upload(A_log);
+  auto d_dt = upload(dt_bias);
+  auto d_slots = upload(slots);
+  DeviceBuffer d_w[3], d_pool[3], d_kept[3];
+  for (int j = 0; j < 3; ++j) {
+    d_w[j] = upload(conv_w[j]);
+    d_pool[j] = upload(pool[j]);
+    d_kept[j] = upload(kept);
+  }
+  DeviceBuffer d_q = sentinel_f32(rows * C), d_k = sentinel_f32(rows * C), d_v = sentinel_bf16(rows * C),
+               d_g = sentinel_f32(rows * C), d_beta = sentinel_f32(rows * H);
+  ops::cuda::KdaPrep p;
+  p.proj = d_proj.get<bf16>();
+  p.proj_ld = ld;
+  p.b_col = b_col;
+  p.u = d_u.get<bf16>();
+  for (int j = 0; j < 3; ++j) {
+    p.conv_w[j] = d_w[j].get<float>();
+    p.conv_pool[j] = d_pool[j].get<float>();
+    p.conv_kept[j] = d_kept[j].get<float>();
+  }
+  p.slots = d_slots.get<int32_t>();
+  p.A_log = d_A.get<float>();
+  p.dt_bias = d_dt.get<float>();
+  p.lower_bound = lower;
+  p.q_scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.q = d_q.get<float>();
+  p.k = d_k.get<float>();
+  p.v = d_v.get<bf16>();
+  p.g = d_g.get<float>();
+  p.beta = d_beta.get<float>();
+  K3_CU(ops::cuda::kda_prep(p, B, q, max_q, H, d, K, st()));
+
+  // CPU: kda_prep per request, from copies of its slot's committed states; the kept rows are the inputs.
+  ops::KdaPrepWeights w;
+  for (int j = 0; j < 3; ++j) w.conv[j] = conv_w[j].data();
+  w.A_log = A_log.data();
+  w.dt_bias = dt_bias.data();
+  w.lower_bound = lower;
+  std::vector<float> y_ref[3], g_ref(static_cast<size_t>(rows * C)), beta_ref(static_cast<size_t>(rows * H));
+  std::vector<float> kept_ref[3] = {kept, kept, kept};
+  std::vector<std::vector<float>> xs[3];
+  for (int j = 0; j < 3; ++j) {
+    y_ref[j].resize(static_cast<size_t>(rows * C));
+    xs[j].resize(static_cast<size_t>(B));
+  }
+  for (int b = 0; b < B; ++b) {
+    const int64_t r0 = int64_t{b} * q;
+    std::vector<float> state[3], bcol(static_cast<size_t>(q * H));
+    const float* x_in[3];
+    float* st_in[3];
+    float* y_out[3];
+    for (int j = 0; j < 3; ++j) {
+      std::vector<float>& xb = xs[j][b];
+      xb.resize(static_cast<size_t>(q * C));
+      for (int t = 0; t < q; ++t) std::copy_n(&proj[(r0 + t) * ld + j * C], C, &xb[static_cast<size_t>(t * C)]);
+      state[j].assign(pool[j].begin() + slots[b] * st_f, pool[j].begin() + (slots[b] + 1) * st_f);
+      x_in[j] = xb.data();
+      st_in[j] = state[j].data();
+      y_out[j] = &y_ref[j][static_cast<size_t>(r0 * C)];
+      std::copy(xb.begin(), xb.end(), kept_ref[j].begin() + int64_t{slots[b]} * max_q * C);
+    }
+    for (int t = 0; t < q; ++t) std::copy_n(&proj[(r0 + t) * ld + b_col], H, &bcol[static_cast<size_t>(t * H)]);
+    ops::kda_prep(x_in, &u[static_cast<size_t>(r0 * C)], bcol.data(), w, st_in, y_out,
+                  &g_ref[static_cast<size_t>(r0 * C)], &beta_ref[static_cast<size_t>(r0 * H)], q, H, d, K);
+  }
+  const auto q_all = down_f32(d_q, static_cast<size_t>(rows * C + kTail));
+  const auto k_all = down_f32(d_k, static_cast<size_t>(rows * C + kTail));
+  const auto v_all = down_bf16(d_v, static_cast<size_t>(rows * C + kTail));
+  const auto g_all = down_f32(d_g, static_cast<size_t>(rows * C + kTail));
+  const auto beta_all = down_f32(d_beta, static_cast<size_t>(rows * H + kTail));
+  const auto head = [](const std::vector<float>& a, int64_t n) { return std::vector<float>(a.begin(), a.begin() + n); };
+  expect_close_but_rare(head(q_all, rows * C), y_ref[0], 1e-6, kOneRounding, "q (conv, l2norm, scale)");
+  expect_close_but_rare(head(k_all, rows * C), y_ref[1], 1e-6, kOneRounding, "k (conv, l2norm)");
+  expect_close(head(v_all, rows * C), y_ref[2], kOneRounding, 0, "v (conv)");
+  expect_close(head(g_all, rows * C), g_ref, 2e-6, 1e-6, "g");
+  expect_close(head(beta_all, rows * H), beta_ref, 1e-6, 1e-7, "beta");
+  expect_tail(q_all, rows * C, "q");
+  expect_tail(k_all, rows * C, "k");
+  expect_tail(v_all, rows * C, "v", round_bf16(kSentinel));
+  expect_tail(g_all, rows * C, "g");
+  expect_tail(beta_all, rows * H, "beta");
+  for (int j = 0; j < 3; ++j) {
+    expect_exact(down_f32(d_kept[j], kept.size()), kept_ref[j], "kept inputs (and untouched rows)");
+    expect_exact(down_f32(d_pool[j], pool[j].size()), pool[j], "committed conv state is read only");
+  }
 
   // Commit n accepted tokens, every n in 0..q across the requests: the CPU state after exactly n tokens.
   for (int shift = 0; shift <= q; ++shift) {
     std::vector<int32_t> accepted(static_cast<size_t>(B));
     for (int b = 0; b < B; ++b) accepted[b] = (b + shift) % (q + 1);
-    auto d_pool2 = upload(pool);
     auto d_acc = upload(accepted);
-    K3_CU(ops::cuda::short_conv_commit(d_kept.get<float>(), d_pool2.get<float>(), d_slots.get<int32_t>(),
-                                       d_acc.get<int32_t>(), B, max_q, C, K, st()));
-    std::vector<float> pool_ref = pool;
-    for (int b = 0; b < B; ++b) {
-      const int n = accepted[b];
-      std::vector<float> yb(static_cast<size_t>(std::max(n, 1) * C));
-      ops::short_conv_silu(xs[b].data(), w.data(), &pool_ref[static_cast<size_t>(slots[b] * st_f)], yb.data(),
-                           n, C, K);
+    for (int j = 0; j < 3; ++j) {
+      auto d_pool2 = upload(pool[j]);
+      K3_CU(ops::cuda::short_conv_commit(d_kept[j].get<float>(), d_pool2.get<float>(), d_slots.get<int32_t>(),
+                                         d_acc.get<int32_t>(), B, max_q, C, K, st()));
+      std::vector<float> pool_ref = pool[j];
+      for (int b = 0; b < B; ++b) {
+        const int n = accepted[b];
+        std::vector<float> yb(static_cast<size_t>(std::max(n, 1) * C));
+        ops::short_conv_silu(xs[j][b].data(), conv_w[j].data(), pool_ref.data() + slots[b] * st_f, yb.data(), n,
+                             C, K);
+      }
+      expect_exact(down_f32(d_pool2, pool[j].size()), pool_ref, "conv state after commit");
     }
-    expect_exact(down_f32(d_pool2, pool.size()), pool_ref, "conv state after commit");
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, ShortConvCuda,
-                         ::testing::Values(ConvShape{1, 1, 1, 2, 1536, 4, 0},  // K3 TP8 q/k/v, plain decode
-                                           ConvShape{3, 4, 8, 5, 1536, 4, 0},  // verify, 3 requests
-                                           ConvShape{8, 8, 8, 9, 4608, 4,
-                                                     6288 - 4608},             // fused q|k|v of the packed proj
-                                           ConvShape{2, 3, 5, 4, 37, 3, 5},    // odd channels, K 3
-                                           ConvShape{3, 2, 2, 3, 300, 2, 0},   // K 2
-                                           ConvShape{2, 5, 6, 3, 33, 8, 1}));  // K 8 (the maximum)
+std::vector<PrepShape> prep_shapes() {
+  std::vector<PrepShape> v;
+  for (int B : {1, 3, 64})
+    for (int q = 1; q <= 4; ++q) {
+      v.push_back({B, q, 4, B + 2, 12, 128, 4});  // K3 TP8: 12 heads of 128, K 4
+      v.push_back({B, q, q + 1, B + 1, 3, 7, 4});  // odd: 3 heads of 7
+    }
+  v.push_back({2, 3, 5, 4, 2, 33, 3});   // two channels per lane, the second partial; K 3
+  v.push_back({2, 5, 6, 3, 1, 200, 8});  // d 200: eight channels per lane; K 8 (the maximum)
+  v.push_back({3, 2, 2, 3, 4, 64, 2});   // K 2
+  v.push_back({2, 2, 3, 3, 5, 32, 1});   // K 1: no state
+  return v;
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, KdaPrepCuda, ::testing::ValuesIn(prep_shapes()));
 
-// ---------------------------------------------------------------- KDA elementwise ops
+// ---------------------------------------------------------------- KDA gated norm
 
 struct KdaShape {
   int64_t rows;
   int H, d;
 };
 
-class KdaPointwiseCuda : public ::testing::TestWithParam<KdaShape> {};
+class KdaGatedNormCuda : public ::testing::TestWithParam<KdaShape> {};
 
-TEST_P(KdaPointwiseCuda, GateBetaL2normGatedNormMatchCpu) {
+TEST_P(KdaGatedNormCuda, MatchesCpu) {
   K3_REQUIRE_GPU();
   const KdaShape s = GetParam();
   const int64_t rows = s.rows, C = int64_t{s.H} * s.d;
   const int H = s.H, d = s.d;
-
-  {  // kda_gate
-    const auto u = random_bf16_values(static_cast<size_t>(rows * C), 21, 3.0);
-    const auto A_log = uniform(static_cast<size_t>(H + 3), 22, -1.5, 1.5);  // padded storage, first H used
-    const auto dt_bias = uniform(static_cast<size_t>(C), 23, -1.0, 1.0);
-    auto d_u = up_bf16(u);
-    auto d_A = upload(A_log);
-    auto d_dt = upload(dt_bias);
-    DeviceBuffer d_g(static_cast<size_t>(rows * C) * sizeof(float));
-    K3_CU(ops::cuda::kda_gate(d_u.get<bf16>(), d_A.get<float>(), d_dt.get<float>(), -5.0f, d_g.get<float>(), rows, H, d,
-                              st()));
-    std::vector<float> g_ref(static_cast<size_t>(rows * C));
-    ops::kda_gate(u.data(), A_log.data(), dt_bias.data(), -5.0f, g_ref.data(), rows, H, d);
-    expect_close(down_f32(d_g, g_ref.size()), g_ref, 2e-6, 1e-6, "kda_gate");
-  }
-  {  // kda_beta from a strided (packed) input
-    const int64_t b_ld = H + 7;
-    const auto bsrc = random_bf16_values(static_cast<size_t>(rows * b_ld), 24, 4.0);
-    auto d_b = up_bf16(bsrc);
-    DeviceBuffer d_beta(static_cast<size_t>(rows * H) * sizeof(float));
-    K3_CU(ops::cuda::kda_beta(d_b.get<bf16>(), b_ld, d_beta.get<float>(), rows, H, st()));
-    std::vector<float> b_ref(static_cast<size_t>(rows * H));
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(&bsrc[r * b_ld], H, &b_ref[r * H]);
-    ops::kda_beta(b_ref.data(), b_ref.data(), rows, H);
-    expect_close(down_f32(d_beta, b_ref.size()), b_ref, 1e-6, 1e-7, "kda_beta");
-  }
-  {  // l2norm_heads, both scales the model uses
-    const auto x = random_bf16_values(static_cast<size_t>(rows * C), 25, 1.5);
-    auto d_x = up_bf16(x);
-    DeviceBuffer d_out(static_cast<size_t>(rows * C) * sizeof(float));
-    for (float scale : {1.0f, 1.0f / std::sqrt(static_cast<float>(d))}) {
-      K3_CU(ops::cuda::l2norm_heads(d_x.get<bf16>(), d_out.get<float>(), rows, H, d, scale, st()));
-      std::vector<float> ref = x;
-      ops::l2norm_heads(ref.data(), rows, H, d, scale);
-      expect_close(down_f32(d_out, ref.size()), ref, 1e-6, 0, "l2norm_heads");
-    }
-  }
-  {  // kda_gated_norm with a strided gate
-    const int64_t g_ld = C + 12;
-    const auto o = uniform(static_cast<size_t>(rows * C), 26, -0.7, 0.7);
-    const auto gate = random_bf16_values(static_cast<size_t>(rows * g_ld), 27, 4.0);
-    const auto w = uniform(static_cast<size_t>(d), 28, 0.5, 1.5);
-    auto d_o = upload(o);
-    auto d_gate = up_bf16(gate);
-    auto d_w = upload(w);
-    DeviceBuffer d_out(static_cast<size_t>(rows * C) * sizeof(bf16));
-    K3_CU(ops::cuda::kda_gated_norm(d_o.get<float>(), d_gate.get<bf16>(), g_ld, d_w.get<float>(), 1e-5f,
-                                    d_out.get<bf16>(), rows, H, d, st()));
-    std::vector<float> gate_c(static_cast<size_t>(rows * C)), ref(static_cast<size_t>(rows * C));
-    for (int64_t r = 0; r < rows; ++r) std::copy_n(&gate[r * g_ld], C, &gate_c[r * C]);
-    ops::kda_gated_norm(o.data(), gate_c.data(), w.data(), 1e-5f, ref.data(), rows, H, d);
-    expect_close(down_bf16(d_out, ref.size()), ref, 5e-3, 0, "kda_gated_norm");
-  }
+  // A strided gate, as the layer reads it from the packed projection.
+  const int64_t g_ld = C + 12;
+  const auto o = uniform(static_cast<size_t>(rows * C), 26, -0.7, 0.7);
+  const auto gate = random_bf16_values(static_cast<size_t>(rows * g_ld), 27, 4.0);
+  const auto w = uniform(static_cast<size_t>(d), 28, 0.5, 1.5);
+  auto d_o = upload(o);
+  auto d_gate = up_bf16(gate);
+  auto d_w = upload(w);
+  DeviceBuffer d_out(static_cast<size_t>(rows * C) * sizeof(bf16));
+  K3_CU(ops::cuda::kda_gated_norm(d_o.get<float>(), d_gate.get<bf16>(), g_ld, d_w.get<float>(), 1e-5f,
+                                  d_out.get<bf16>(), rows, H, d, st()));
+  std::vector<float> gate_c(static_cast<size_t>(rows * C)), ref(static_cast<size_t>(rows * C));
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(&gate[r * g_ld], C, &gate_c[r * C]);
+  ops::kda_gated_norm(o.data(), gate_c.data(), w.data(), 1e-5f, ref.data(), rows, H, d);
+  expect_close(down_bf16(d_out, ref.size()), ref, 5e-3, 0, "kda_gated_norm");
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, KdaPointwiseCuda,
+INSTANTIATE_TEST_SUITE_P(Shapes, KdaGatedNormCuda,
                          ::testing::Values(KdaShape{1, 12, 128}, KdaShape{64, 12, 128}, KdaShape{5, 3, 20},
                                            KdaShape{7, 2, 33}, KdaShape{3, 1, 300}));
 
@@ -424,8 +498,18 @@ TEST(KdaCuda, RejectsBadShapes) {
   EXPECT_NE(ops::cuda::kda_replay(none, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 4, 8, 12, 128, 128, st()),
             0);  // a replay without kept inputs
   EXPECT_NE(ops::cuda::short_conv_commit(nullptr, nullptr, nullptr, nullptr, 1, 4, 8, 9, st()), 0);  // K > 8
-  EXPECT_NE(ops::cuda::short_conv_silu(nullptr, 8, nullptr, nullptr, nullptr, nullptr, nullptr, 1, 1, 1, 8, 9, st()),
-            0);  // K > 8
+  const ops::cuda::KdaPrep none_p{};
+  EXPECT_NE(ops::cuda::kda_prep(none_p, 1, 1, 1, 12, 128, 9, st()), 0);    // K > 8
+  EXPECT_NE(ops::cuda::kda_prep(none_p, 1, 1, 1, 1, 257, 4, st()), 0);     // d > 256
+  EXPECT_NE(ops::cuda::kda_prep(none_p, 1, 2, 1, 12, 128, 4, st()), 0);    // q_len > max_q
+  ops::cuda::KdaPrep narrow{};
+  narrow.proj_ld = 3 * 12 * 128 - 1;
+  EXPECT_NE(ops::cuda::kda_prep(narrow, 1, 1, 1, 12, 128, 4, st()), 0);    // proj narrower than q | k | v
+  narrow.proj_ld = 4 * 12 * 128 + 128 + 12;
+  narrow.b_col = 4 * 12 * 128 + 128 + 1;
+  EXPECT_NE(ops::cuda::kda_prep(narrow, 1, 1, 1, 12, 128, 4, st()), 0);    // b past the row
+  narrow.b_col = 4 * 12 * 128 + 128;
+  EXPECT_NE(ops::cuda::kda_prep(narrow, 1, 1, 1, 12, 128, 4, st()), 0);    // null pointers
 }
 
 }  // namespace

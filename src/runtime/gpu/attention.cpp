@@ -1,7 +1,7 @@
 // The attention modules on the GPU (GpuRank::attention), the op sequence of
 // the CPU modules in model/layers.h with the rank's caches (gpu/caches.h):
-//   KDA: in_proj -> short conv + SiLU (q, k, v) -> l2norm (q, k) -> gate
-//        (f_b f_a, A_log, dt_bias) and beta -> the recurrence (reads the slot's
+//   KDA: in_proj -> f_b of f_a (read in place) -> kda_prep (one kernel: short conv + SiLU of q, k, v,
+//        l2norm of q, k, the gate of f_b f_a (A_log, dt_bias) and beta) -> the recurrence (reads the slot's
 //        current state, writes the state after the last token to the other,
 //        keeps the tokens' inputs for a partial commit) -> gated RMSNorm -> o_proj partial;
 //   MLA / DSA: q_a, kv_a, g_proj (and the indexer's wk, weights_proj) of x
@@ -16,10 +16,10 @@
 #include "ops/dsa.h"
 #include "ops/elementwise.h"
 #include "ops/kda.h"
+#include "ops/kda_prep.h"
 #include "ops/linear.h"
 #include "ops/mla.h"
 #include "ops/rmsnorm.h"
-#include "ops/short_conv.h"
 #include "runtime/gpu/rank.h"
 
 namespace k3 {
@@ -46,19 +46,32 @@ void GpuRank::kda(int l, const bf16* x, bf16* out) {
   mark("kda.in_proj");
   K3_LAUNCH(cu::linear(ctx_, x, w.in_proj, k.proj, false, rows, D, P));
   mark("kda.conv_gate");
+  K3_LAUNCH(cu::linear_ld(ctx_, k.proj + 4 * C, P, w.f_b, k.u, false, rows, d, C));
+  cu::KdaPrep p;
+  p.proj = k.proj;
+  p.proj_ld = P;
+  p.b_col = 4 * C + d;
+  p.u = k.u;
   const float* cw[3] = {w.q_conv, w.k_conv, w.v_conv};
-  for (int j = 0; j < 3; ++j)
-    K3_LAUNCH(cu::short_conv_silu(k.proj + j * C, P, cw[j], caches_.conv(l, j), caches_.conv_x(l, j),
-                                  d_slots_.get<int32_t>(), k.y[j], B_, q_, o_.max_q, C, K, s));
-  K3_LAUNCH(cu::l2norm_heads(k.y[0], k.qn, rows, H, d, 1.0f / std::sqrt(static_cast<float>(d)), s));
-  K3_LAUNCH(cu::l2norm_heads(k.y[1], k.kn, rows, H, d, 1.0f, s));
-  CUDA_CHECK(cudaMemcpy2DAsync(k.fa, d * 2, k.proj + 4 * C, P * 2, d * 2, rows, cudaMemcpyDeviceToDevice, s));
-  K3_LAUNCH(cu::linear(ctx_, k.fa, w.f_b, k.u, false, rows, d, C));
-  K3_LAUNCH(cu::kda_gate(k.u, w.A_log, w.dt_bias, c_.kda.gate_lower_bound, k.g, rows, H, d, s));
-  K3_LAUNCH(cu::kda_beta(k.proj + 4 * C + d, P, k.beta, rows, H, s));
+  for (int j = 0; j < 3; ++j) {
+    p.conv_w[j] = cw[j];
+    p.conv_pool[j] = caches_.conv(l, j);
+    p.conv_kept[j] = caches_.conv_x(l, j);
+  }
+  p.slots = d_slots_.get<int32_t>();
+  p.A_log = w.A_log;
+  p.dt_bias = w.dt_bias;
+  p.lower_bound = c_.kda.gate_lower_bound;
+  p.q_scale = 1.0f / std::sqrt(static_cast<float>(d));
+  p.q = k.qn;
+  p.k = k.kn;
+  p.v = k.v;
+  p.g = k.g;
+  p.beta = k.beta;
+  K3_LAUNCH(cu::kda_prep(p, B_, q_, o_.max_q, H, d, K, s));
   mark("kda.recurrence");
   const int32_t* idx = d_state_idx_.get<int32_t>();
-  K3_LAUNCH(cu::kda_recurrence(k.qn, k.kn, k.y[2], k.g, k.beta, caches_.state(l), idx, idx + o_.max_batch,
+  K3_LAUNCH(cu::kda_recurrence(k.qn, k.kn, k.v, k.g, k.beta, caches_.state(l), idx, idx + o_.max_batch,
                                caches_.kept(l), d_slots_.get<int32_t>(), k.o, B_, q_, o_.max_q, H, d, d, s));
   mark("kda.norm_o_proj");
   K3_LAUNCH(cu::kda_gated_norm(k.o, k.proj + 3 * C, P, w.o_norm, c_.rms_norm_eps, k.normed, rows, H, d, s));

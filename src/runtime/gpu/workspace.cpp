@@ -36,10 +36,9 @@ KdaScratch carve_kda(Carve& s, const ModelConfig& c, const GpuDims& d, int64_t r
   const int64_t dh = c.kda.head_dim, C = int64_t{d.Hk} * dh, P = (4 * C + dh + d.Hk + 15) / 16 * 16;
   KdaScratch k;
   k.proj = s.take<bf16>(rows * P);
-  for (auto& y : k.y) y = s.take<bf16>(rows * C);
   k.qn = s.take<float>(rows * C);
   k.kn = s.take<float>(rows * C);
-  k.fa = s.take<bf16>(rows * dh);
+  k.v = s.take<bf16>(rows * C);
   k.u = s.take<bf16>(rows * C);
   k.g = s.take<float>(rows * C);
   k.beta = s.take<float>(rows * d.Hk);

@@ -52,11 +52,10 @@ struct GpuDims {
 
 struct KdaScratch {
   bf16* proj;     // [rows, in_rows] in_proj output
-  bf16* y[3];     // [rows, C] conv + SiLU of q, k, v
-  float* qn;      // [rows, C] l2-normalised, scaled q
-  float* kn;      // [rows, C]
-  bf16* fa;       // [rows, d] f_a
-  bf16* u;        // [rows, C] f_b f_a
+  float* qn;      // [rows, C] conv + SiLU of q, l2-normalised, scaled
+  float* kn;      // [rows, C] conv + SiLU of k, l2-normalised
+  bf16* v;        // [rows, C] conv + SiLU of v
+  bf16* u;        // [rows, C] f_b f_a (f_a read in place from proj)
   float* g;       // [rows, C] gate
   float* beta;    // [rows, Hk]
   float* o;       // [rows, C] recurrence output
