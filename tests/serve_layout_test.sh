@@ -110,4 +110,37 @@ wait $pid || rc=$?
 trap - EXIT
 [[ $rc == 0 ]] || { cat "$work/serve.log"; echo "serve_layout_test: exit code $rc after SIGTERM"; exit 1; }
 grep -q "stopped" "$work/serve.log" || { cat "$work/serve.log"; echo "serve_layout_test: no clean stop"; exit 1; }
+# Followers idle between requests without spinning a core (runtime/rank_channel.h: broadcast_idle): a server of
+# two processes that MPI tells never to yield (a blocking wait then spins at 100%), idle for 2 s: its follower
+# under 40% of a core; then it serves a request and stops cleanly.
+if [[ -n $mpiexec ]]; then
+  "$mpiexec" --mca mpi_yield_when_idle 0 -np 2 "$k3" serve --port 0 --tp 2 --max-context 64 --comm mpi \
+    >"$work/idle.out" 2>"$work/idle.log" </dev/null &
+  pid=$!
+  trap 'kill $pid 2>/dev/null || true' EXIT
+  for _ in $(seq 300); do grep -q "listening on" "$work/idle.log" && break; sleep 0.1; done
+  server_pid=$(grep -o '(pid [0-9]*' "$work/idle.log" | head -1 | cut -d' ' -f2)
+  url=$(grep -o 'http://[0-9.]*:[0-9]*' "$work/idle.log" | head -1)
+  follower=$(pgrep -P "$pid" -f "k3decode serve" | grep -vx "$server_pid" || true)
+  [[ $(echo "$follower" | grep -c .) == 1 ]] || { cat "$work/idle.log"; echo "serve_layout_test: follower '$follower'"; exit 1; }
+  sleep 1
+  t0=$(awk '{print $14 + $15}' "/proc/$follower/stat")
+  sleep 2
+  t1=$(awk '{print $14 + $15}' "/proc/$follower/stat")
+  pct=$(( 100 * (t1 - t0) / $(getconf CLK_TCK) / 2 ))
+  echo "idle follower: ${pct}% of a core"
+  [[ $pct -lt 40 ]] || { echo "serve_layout_test: the follower spins while the server is idle"; exit 1; }
+  python3 - "$url" <<'EOF'
+import json, sys, urllib.request
+req = urllib.request.Request(sys.argv[1] + "/v1/completions", json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode(),
+                             {"content-type": "application/json"})
+with urllib.request.urlopen(req, timeout=60) as r:
+    assert len(json.load(r)["choices"][0]["token_ids"]) >= 1
+EOF
+  kill -TERM "$server_pid"
+  rc=0
+  wait $pid || rc=$?
+  trap - EXIT
+  [[ $rc == 0 ]] || { cat "$work/idle.log"; echo "serve_layout_test: exit code $rc after SIGTERM (idle server)"; exit 1; }
+fi
 echo "serve_layout_test: PASSED${mpiexec:+ (mpirun)}"

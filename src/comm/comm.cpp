@@ -49,6 +49,10 @@ void CountingComm::broadcast(void* data, int64_t count, DType dt, int root) {
   this->count(CollKind::Broadcast, rank() == root ? count * static_cast<int64_t>(dtype_size(dt)) : 0);
   inner_->broadcast(data, count, dt, root);
 }
+void CountingComm::broadcast_idle(void* data, int64_t count, DType dt, int root) {
+  this->count(CollKind::Broadcast, rank() == root ? count * static_cast<int64_t>(dtype_size(dt)) : 0);
+  inner_->broadcast_idle(data, count, dt, root);
+}
 void CountingComm::barrier() {
   this->count(CollKind::Barrier, 0);
   inner_->barrier();

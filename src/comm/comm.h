@@ -40,6 +40,11 @@ class Comm {
   virtual void all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
                             DType dt) = 0;
   virtual void broadcast(void* data, int64_t count, DType dt, int root) = 0;
+  // The same broadcast for ranks that may wait long for the root (a server's followers between requests):
+  // the mpi backend polls a non-blocking broadcast and, once the wait passes a few ms, sleeps between polls
+  // instead of spinning a core. Every rank uses this method for the message (MPI does not match a
+  // non-blocking collective with a blocking one).
+  virtual void broadcast_idle(void* data, int64_t count, DType dt, int root) { broadcast(data, count, dt, root); }
   virtual void barrier() = 0;
   // The CUDA stream collectives are enqueued on (nccl backend); ignored on the CPU.
   virtual void set_stream(void* /*stream*/) {}
@@ -79,6 +84,7 @@ class CountingComm : public Comm {
   void all_to_all_v(const void* send, const int64_t* send_counts, void* recv, const int64_t* recv_counts,
                     DType dt) override;
   void broadcast(void* data, int64_t count, DType dt, int root) override;
+  void broadcast_idle(void* data, int64_t count, DType dt, int root) override;
   void barrier() override;
   void set_stream(void* s) override { inner_->set_stream(s); }
   bool capturable() const override { return inner_->capturable(); }

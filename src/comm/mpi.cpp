@@ -4,9 +4,11 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <fmt/format.h>
 #include <vector>
 
@@ -143,6 +145,25 @@ class MpiComm : public Comm {
     K3_CHECK(root >= 0 && root < size_, "comm {}: broadcast root {} outside 0..{}", name(), root, size_ - 1);
     const int b = message_bytes("broadcast", count, dt);
     check(MPI_Bcast(data, b, MPI_BYTE, root, comm_), "MPI_Bcast");
+  }
+
+  // MPI_Ibcast polled by MPI_Test: spinning for the first 2 ms (a busy server's next command comes sooner),
+  // then sleeping 50 us between polls, 1 ms once the wait passes 100 ms (a blocking MPI call spins a core).
+  void broadcast_idle(void* data, int64_t count, DType dt, int root) override {
+    K3_CHECK(root >= 0 && root < size_, "comm {}: broadcast root {} outside 0..{}", name(), root, size_ - 1);
+    const int b = message_bytes("broadcast", count, dt);
+    MPI_Request req = MPI_REQUEST_NULL;
+    check(MPI_Ibcast(data, b, MPI_BYTE, root, comm_, &req), "MPI_Ibcast");
+    const auto t0 = std::chrono::steady_clock::now();
+    for (;;) {
+      int done = 0;
+      check(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) return;
+      const auto waited = std::chrono::steady_clock::now() - t0;
+      if (waited < std::chrono::milliseconds(2)) continue;
+      std::this_thread::sleep_for(waited < std::chrono::milliseconds(100) ? std::chrono::microseconds(50)
+                                                                         : std::chrono::microseconds(1000));
+    }
   }
 
   void barrier() override { check(MPI_Barrier(comm_), "MPI_Barrier"); }

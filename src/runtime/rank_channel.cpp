@@ -7,10 +7,11 @@ namespace k3 {
 
 namespace {
 
-// Rank 0's msg to every rank (the others' msg is replaced).
+// Rank 0's msg to every rank (the others' msg is replaced). The length goes first, by broadcast_idle: a follower
+// waits there between commands, for as long as the server is idle, without spinning a core.
 void broadcast_bytes(Comm& c, std::vector<char>& msg) {
   int64_t n = static_cast<int64_t>(msg.size());
-  c.broadcast(&n, 1, DType::I64, 0);
+  c.broadcast_idle(&n, 1, DType::I64, 0);
   K3_CHECK(n >= 0, "rank channel: bad message length {}", n);
   msg.resize(static_cast<size_t>(n));
   if (n > 0) c.broadcast(msg.data(), n, DType::U8, 0);
