@@ -121,7 +121,11 @@ if [[ -n $mpiexec ]]; then
   for _ in $(seq 300); do grep -q "listening on" "$work/idle.log" && break; sleep 0.1; done
   server_pid=$(grep -o '(pid [0-9]*' "$work/idle.log" | head -1 | cut -d' ' -f2)
   url=$(grep -o 'http://[0-9.]*:[0-9]*' "$work/idle.log" | head -1)
-  follower=$(pgrep -P "$pid" -f "k3decode serve" | grep -vx "$server_pid" || true)
+  follower=""  # mpirun's other child (read from /proc: no procps needed)
+  for d in /proc/[0-9]*; do
+    [[ $(awk '{print $4}' "$d/stat" 2>/dev/null) == "$pid" && ${d#/proc/} != "$server_pid" ]] && follower+="${d#/proc/}"$'\n'
+  done
+  follower=${follower%$'\n'}
   [[ $(echo "$follower" | grep -c .) == 1 ]] || { cat "$work/idle.log"; echo "serve_layout_test: follower '$follower'"; exit 1; }
   sleep 1
   t0=$(awk '{print $14 + $15}' "/proc/$follower/stat")
