@@ -441,6 +441,16 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
   Request base = parse_common(s, body, chat);
   if (chat) base.stop.push_back({*s.im_end});  // the assistant's turn ends at <|im_end|>
   const bool stream = field(body, "stream") && body["stream"].get<bool>();
+  // stream_options.include_usage: a last chunk (no choices) carries the usage, as OpenAI's API sends it.
+  bool include_usage = false;
+  if (const json* v = field(body, "stream_options")) {
+    if (!v->is_object()) bad("stream_options must be an object", "stream_options");
+    if (!stream) bad("stream_options is only allowed with stream: true", "stream_options");
+    if (const json* u = field(*v, "include_usage")) {
+      if (!u->is_boolean()) bad("stream_options.include_usage must be a boolean", "stream_options");
+      include_usage = u->get<bool>();
+    }
+  }
   // n choices per prompt: choice i n + j is prompt i's with seed + j (so choice i n is the n = 1 answer).
   int n = 1;
   if (const json* v = field(body, "n")) {
@@ -541,11 +551,13 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
     for (int64_t i : ids) s.sched.cancel(i);
   };
   auto states = std::make_shared<std::vector<Choice>>(reqs.size());
+  size_t prompt_tokens = 0;
+  for (size_t i = 0; i < reqs.size(); i += static_cast<size_t>(n)) prompt_tokens += reqs[i].prompt.size();
   auto sent_role = std::make_shared<std::vector<bool>>(reqs.size(), false);
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [&s, box, states, sent_role, cancel_all, id, created, chat, logprob_json, nreq = reqs.size()](
+      [&s, box, states, sent_role, cancel_all, id, created, chat, logprob_json, include_usage, prompt_tokens](
           size_t, httplib::DataSink& sink) mutable -> bool {
         std::deque<std::pair<size_t, RequestEvent>> evs;
         bool finished;
@@ -565,6 +577,7 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
         if (evs.empty() && !finished) return write(": waiting\n\n");  // a comment: detects a gone client
         for (auto& [i, ev] : evs) {
           Choice& c = (*states)[i];
+          c.tokens.insert(c.tokens.end(), ev.tokens.begin(), ev.tokens.end());
           std::string bytes = c.pending_bytes + s.text_of(ev.tokens);
           size_t cut = ev.done ? bytes.size() : utf8_complete(bytes);
           c.pending_bytes = bytes.substr(cut);
@@ -591,10 +604,20 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
           if (!write("data: " + dump(chunk) + "\n\n")) return false;
         }
         if (finished) {
+          if (include_usage) {
+            size_t completion = 0;
+            for (const Choice& c : *states) completion += c.tokens.size();
+            const json chunk = {{"id", id},
+                                {"object", chat ? "chat.completion.chunk" : "text_completion"},
+                                {"created", created},
+                                {"model", s.opt.model_name},
+                                {"choices", json::array()},
+                                {"usage", usage(prompt_tokens, completion)}};
+            if (!write("data: " + dump(chunk) + "\n\n")) return false;
+          }
           if (!write("data: [DONE]\n\n")) return false;
           sink.done();
         }
-        (void)nreq;
         return true;
       },
       [&s, cancel_all](bool success) mutable {

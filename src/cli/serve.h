@@ -7,7 +7,8 @@
 //   POST /v1/chat/completions   when the tokenizer has Kimi's role markers
 //   GET  /v1/models, /health, /metrics (Prometheus text)
 // Every choice carries `token_ids`. `stream: true` answers with server-sent
-// events (`data: {...}` per new tokens, then `data: [DONE]`); a streaming
+// events (`data: {...}` per new tokens, then `data: [DONE]`; with
+// stream_options.include_usage a last chunk without choices carries the usage); a streaming
 // client that goes away cancels its requests (the write fails). Bad requests
 // get a 4xx with {"error": {"message", "type", "param", "code"}}. SIGINT /
 // SIGTERM: stop accepting, finish the requests in flight, return 0.

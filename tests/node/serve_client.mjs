@@ -51,7 +51,7 @@ ok(`models: ${models.data[0].id}`);
 const texts = ['Hello, world! Hello, world! Hello, world!', 'The quick brown fox', '分词器 tokenizer 分词器 tokenizer',
                'def f(x):\n    return x\ndef f(x):\n    return x\n'];
 const refText = generate([...modelArgs, ...texts.flatMap((t) => ['--text', t])], 24);
-const nonStream = [];
+const nonStream = [], promptTokens = [];
 for (let i = 0; i < texts.length; i++) {
   const r = await small.completions.create({ model: 'x', prompt: texts[i], max_tokens: 24, temperature: 0 });
   assert.deepEqual(r.choices[0].token_ids, refText[i], `completion ${i}`);
@@ -59,6 +59,7 @@ for (let i = 0; i < texts.length; i++) {
   assert.ok(['length', 'stop'].includes(r.choices[0].finish_reason));
   assert.equal(r.usage.completion_tokens, refText[i].length);
   nonStream.push(r.choices[0]);
+  promptTokens.push(r.usage.prompt_tokens);
 }
 ok('completions (text) equal generate --text');
 
@@ -87,6 +88,27 @@ for (let i = 0; i < texts.length; i++) {
   if (!text.includes('\ufffd')) assert.equal(text, nonStream[i].text);
 }
 ok('streaming completions equal the non-streamed ones');
+
+// --- stream_options.include_usage: a last chunk without choices carries the usage (two prompts, n = 2)
+{
+  const stream = await small.completions.create({ model: 'x', prompt: [texts[0], texts[1]], max_tokens: 24,
+                                                  temperature: 0, n: 2, stream: true,
+                                                  stream_options: { include_usage: true } });
+  let ids = 0, usageChunk = null, after = 0;
+  for await (const chunk of stream) {
+    if (usageChunk) after++;
+    if (chunk.usage) usageChunk = chunk;
+    else ids += chunk.choices[0].token_ids.length;
+  }
+  assert.ok(usageChunk, 'no usage chunk');
+  assert.equal(after, 0, 'the usage chunk is the last one');
+  assert.deepEqual(usageChunk.choices, []);
+  assert.equal(usageChunk.usage.completion_tokens, ids);
+  assert.equal(usageChunk.usage.completion_tokens, 2 * (refText[0].length + refText[1].length));
+  assert.equal(usageChunk.usage.prompt_tokens, promptTokens[0] + promptTokens[1]);
+  assert.equal(usageChunk.usage.total_tokens, usageChunk.usage.prompt_tokens + ids);
+  ok('stream_options.include_usage: the usage in a last chunk');
+}
 
 // --- logprobs and seeded sampling
 {
@@ -237,6 +259,9 @@ const bads = [
   [smallUrl, '/v1/completions', '{"prompt": [1, 2], "n": 0}', 'n < 1'],
   [smallUrl, '/v1/completions', '{"prompt": [1, 2], "n": 17}', 'n over 16'],
   [smallUrl, '/v1/completions', '{"prompt": [1, 2], "n": 1.5}', 'n not an integer'],
+  [smallUrl, '/v1/completions', '{"prompt": [1, 2], "stream_options": {"include_usage": true}}', 'stream_options without stream'],
+  [smallUrl, '/v1/completions', '{"prompt": [1, 2], "stream": true, "stream_options": {"include_usage": 1}}',
+   'include_usage of the wrong type'],
   [smallUrl, '/v1/chat/completions', '{"messages": "hi"}', 'messages of the wrong type'],
   [smallUrl, '/v1/chat/completions', '{"messages": [{"role": "wizard", "content": "x"}]}', 'unknown role'],
   [tinyUrl, '/v1/completions', '{"prompt": "text without a tokenizer"}', 'text prompt without a tokenizer'],
