@@ -473,6 +473,8 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
   const std::string object = chat ? "chat.completion" : "text_completion";
   const bool logprobs = base.logprobs;
+  size_t prompt_tokens = 0;  // each prompt once (its n choices share it), as OpenAI counts
+  for (size_t i = 0; i < reqs.size(); i += static_cast<size_t>(n)) prompt_tokens += reqs[i].prompt.size();
 
   auto logprob_json = [&s, chat, logprobs](std::span<const int32_t> toks, std::span<const float> lps) -> json {
     if (!logprobs) return nullptr;
@@ -519,11 +521,10 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
       }
     }
     json out = json::array();
-    size_t prompt_tokens = 0, completion = 0;
+    size_t completion = 0;
     for (size_t i = 0; i < choices.size(); ++i) {
       const Choice& c = choices[i];
       if (c.reason == FinishReason::Error) throw HttpError{500, c.error, "server_error", "", "step_failed"};
-      if (i % n == 0) prompt_tokens += reqs[i].prompt.size();  // each prompt once, as OpenAI counts
       completion += c.tokens.size();
       json ch = {{"index", i}, {"token_ids", c.tokens}, {"finish_reason", finish_name(c.reason)},
                  {"logprobs", logprob_json(c.tokens, c.logprobs)}};
@@ -551,8 +552,6 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
     for (int64_t i : ids) s.sched.cancel(i);
   };
   auto states = std::make_shared<std::vector<Choice>>(reqs.size());
-  size_t prompt_tokens = 0;
-  for (size_t i = 0; i < reqs.size(); i += static_cast<size_t>(n)) prompt_tokens += reqs[i].prompt.size();
   auto sent_role = std::make_shared<std::vector<bool>>(reqs.size(), false);
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
@@ -803,22 +802,22 @@ int serve(Decoder& decoder, std::optional<Tokenizer> tokenizer, const SchedulerO
     ok = http.listen_after_bind();
     sched.stop();  // drains whatever is still queued
   });
+  auto join = [&] {
+    listener.join();
+    finished = true;
+    if (!draining) pthread_kill(waiter.native_handle(), SIGTERM);  // wakes the signal thread's sigwait
+    waiter.join();
+  };
   // The scheduler runs on the caller's thread: every Decoder call comes from it (an mpi job's command channel
   // must be driven by the thread that initialised MPI).
   try {
     sched.run();
   } catch (...) {
     http.stop();
-    listener.join();
-    finished = true;
-    if (!draining) pthread_kill(waiter.native_handle(), SIGTERM);
-    waiter.join();
+    join();
     throw;
   }
-  listener.join();
-  finished = true;
-  if (!draining) pthread_kill(waiter.native_handle(), SIGTERM);
-  waiter.join();
+  join();
   const SchedulerMetrics m = sched.metrics();
   std::cerr << fmt::format("k3decode serve: stopped ({} requests, {} tokens generated)\n", m.requests_finished,
                            m.generated_tokens);

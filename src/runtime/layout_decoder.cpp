@@ -15,7 +15,6 @@ namespace k3 {
 ThreadRanks::ThreadRanks(std::vector<std::unique_ptr<Decoder>> ranks, std::function<void(int)> on_thread)
     : ranks_(std::move(ranks)), on_thread_(std::move(on_thread)) {
   K3_CHECK(!ranks_.empty(), "layout decoder: no ranks");
-  layout_ = ranks_[0]->layout();
   replies_.resize(ranks_.size());
   for (int w = 0; w < static_cast<int>(ranks_.size()); ++w) threads_.emplace_back([this, w] { loop(w); });
   // The threads' first round: on_thread (errors are the replies).
@@ -55,6 +54,8 @@ void ThreadRanks::loop(int w) {
       on_thread_(w);
     } catch (const std::exception& e) {
       first = RankReply::failure(RankReply::Status::Error, e.what());
+    } catch (...) {
+      first = RankReply::failure(RankReply::Status::Error, "layout decoder: an unknown exception on a rank thread");
     }
   }
   {
@@ -72,7 +73,7 @@ void ThreadRanks::loop(int w) {
       seen = gen_;
       cmd = cmd_;
     }
-    RankReply r = execute(*cmd, layout_, w, *ranks_[w]);
+    RankReply r = execute(*cmd, ranks_[0]->layout(), w, *ranks_[w]);
     std::lock_guard<std::mutex> lock(mu_);
     replies_[w] = std::move(r);
     if (++done_ == static_cast<int>(ranks_.size())) done_cv_.notify_all();

@@ -78,7 +78,6 @@ class ThreadRanks : public RankRunner {
   void shutdown();
 
   std::vector<std::unique_ptr<Decoder>> ranks_;
-  Layout layout_;
   std::function<void(int)> on_thread_;
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;

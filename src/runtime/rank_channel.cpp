@@ -41,12 +41,12 @@ std::vector<std::vector<char>> gather_bytes(Comm& c, const std::vector<char>& mi
 }  // namespace
 
 ChannelRanks::ChannelRanks(Decoder& local, Comm& channel) : local_(local), channel_(channel) {
-  layout_ = local_.layout();
   K3_CHECK(channel_.rank() == 0 && local_.world_rank() == 0,
            "rank channel: the facade runs on world rank 0 (this is channel rank {}, decoder rank {})", channel_.rank(),
            local_.world_rank());
-  K3_CHECK(channel_.size() == layout_.world(), "rank channel: a channel of {} ranks for a world of {} (tp {} x dp {})",
-           channel_.size(), layout_.world(), layout_.tp, layout_.dp);
+  const Layout& L = local_.layout();
+  K3_CHECK(channel_.size() == L.world(), "rank channel: a channel of {} ranks for a world of {} (tp {} x dp {})",
+           channel_.size(), L.world(), L.tp, L.dp);
 }
 
 ChannelRanks::~ChannelRanks() {
@@ -59,7 +59,7 @@ ChannelRanks::~ChannelRanks() {
 std::vector<RankReply> ChannelRanks::run(const RankCommand& cmd) {
   std::vector<char> msg = encode(cmd);
   broadcast_bytes(channel_, msg);
-  const std::vector<std::vector<char>> bytes = gather_bytes(channel_, encode(execute(cmd, layout_, 0, local_)));
+  const std::vector<std::vector<char>> bytes = gather_bytes(channel_, encode(execute(cmd, local_.layout(), 0, local_)));
   std::vector<RankReply> replies;
   replies.reserve(bytes.size());
   for (const auto& b : bytes) replies.push_back(decode_reply(b));

@@ -30,7 +30,6 @@ class ChannelRanks : public RankRunner {
  private:
   Decoder& local_;
   Comm& channel_;
-  Layout layout_;
 };
 
 // A rank other than 0: runs rank 0's commands on d until Quit. Returns the number of commands run.
