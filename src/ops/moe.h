@@ -76,12 +76,12 @@ struct Mxfp4ExpertTable {
   const uint8_t* const* w2_scale = nullptr;   // [expert_count] -> [L, I/32]
 };
 
-// Scratch of moe_experts in bytes: a routing plan (int32 [4 + 6 rows k]), h BF16 [rows k, I] and the expert
+// Scratch of moe_experts in bytes: a routing plan (int32 [2 + 5 rows k]), h BF16 [rows k, I] and the expert
 // outputs BF16 [rows k, L], each 256-byte aligned.
 inline size_t moe_experts_scratch_bytes(int64_t rows, int k, int64_t L, int64_t I) {
   const auto al = [](int64_t b) { return static_cast<size_t>((b + 255) / 256 * 256); };
   const int64_t pairs = rows * k;
-  return al(4 * (4 + 6 * pairs)) + al(2 * pairs * I) + al(2 * pairs * L);
+  return al(4 * (2 + 5 * pairs)) + al(2 * pairs * I) + al(2 * pairs * L);
 }
 
 // Routed experts of one rank: z [rows, L] BF16 (16-byte aligned), idx [rows, k] global expert ids, w [rows, k]
