@@ -33,6 +33,13 @@ namespace cu = ops::cuda;
 
 namespace {
 
+// A host-to-device copy that has landed when it returns: a pageable cudaMemcpy may return before its DMA
+// ends, and the kernels run on non-blocking streams that do not wait for it.
+void h2d(void* dst, const void* src, size_t bytes) {
+  CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 // Microseconds per launch of `fn` (which enqueues one launch on s).
 double time_us(cudaStream_t s, const std::function<void()>& fn) {
   cudaEvent_t a, b;
@@ -191,7 +198,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
       const uint8_t* const* dev[6];
       for (int j = 0; j < 6; ++j) {
         tables.emplace_back(E * sizeof(void*));
-        CUDA_CHECK(cudaMemcpy(tables.back().get(), ptrs[j].data(), E * sizeof(void*), cudaMemcpyHostToDevice));
+        h2d(tables.back().get(), ptrs[j].data(), E * sizeof(void*));
         dev[j] = tables.back().get<const uint8_t* const>();
       }
       const cu::Mxfp4ExpertTable table{dev[0], dev[1], dev[2], dev[3], dev[4], dev[5]};
@@ -215,8 +222,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         }
         std::vector<float> wts(static_cast<size_t>(rows), 1.0f);
         DeviceBuffer d_idx(rows * 4), d_w(rows * 4), z = random_buffer(rows * L * 2, 0, s, 3), y(rows * L * 2);
-        CUDA_CHECK(cudaMemcpy(d_idx.get(), idx.data(), rows * 4, cudaMemcpyHostToDevice));
-        CUDA_CHECK(cudaMemcpy(d_w.get(), wts.data(), rows * 4, cudaMemcpyHostToDevice));
+        h2d(d_idx.get(), idx.data(), rows * 4);
+        h2d(d_w.get(), wts.data(), rows * 4);
         DeviceBuffer scratch(cu::moe_experts_scratch_bytes(rows, 1, L, I));
         const double us = time_us(s, [&] {
           K3_OK(cu::moe_experts(ctx, z.get<bf16>(), d_idx.get<int32_t>(), d_w.get<float>(), table, 0, E, y.get<bf16>(),
@@ -249,7 +256,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
       DeviceBuffer qn(R * C * 4), kn(R * C * 4), v(R * C * 2), g(R * C * 4), beta(R * H * 4), slots(maxB * 4);
       std::vector<int32_t> sl(maxB);
       for (int b = 0; b < maxB; ++b) sl[b] = b;
-      CUDA_CHECK(cudaMemcpy(slots.get(), sl.data(), maxB * 4, cudaMemcpyHostToDevice));
+      h2d(slots.get(), sl.data(), maxB * 4);
       cu::KdaPrep p;
       p.proj = proj.get<bf16>();
       p.proj_ld = P;
@@ -303,8 +310,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         ix[b] = 2 * b;
         ix[maxB + b] = 2 * b + 1;
       }
-      CUDA_CHECK(cudaMemcpy(slots.get(), sl.data(), maxB * 4, cudaMemcpyHostToDevice));
-      CUDA_CHECK(cudaMemcpy(idx.get(), ix.data(), 2 * maxB * 4, cudaMemcpyHostToDevice));
+      h2d(slots.get(), sl.data(), maxB * 4);
+      h2d(idx.get(), ix.data(), 2 * maxB * 4);
       const int32_t* rd = idx.get<int32_t>();
       const int32_t* wr = rd + maxB;
       for (int B : {1, 8, 64})
@@ -323,7 +330,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
       for (int B : {1, 8, 64})
         for (int qq : {2, 4, 8}) {
           for (int b = 0; b < maxB; ++b) ac[b] = qq - 1;
-          CUDA_CHECK(cudaMemcpy(acc.get(), ac.data(), maxB * 4, cudaMemcpyHostToDevice));
+          h2d(acc.get(), ac.data(), maxB * 4);
           const double us = time_us(s, [&] {
             K3_OK(cu::kda_replay(kept, pool.get<float>(), rd, wr, slots.get<int32_t>(), acc.get<int32_t>(), B, qq,
                                  maxq, H, d, d, s));
@@ -392,8 +399,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         std::vector<int32_t> tables(static_cast<size_t>(pages)), ctxv(B, static_cast<int32_t>(ctxlen));
         for (int64_t i = 0; i < pages; ++i) tables[i] = static_cast<int32_t>((i * 7919) % pages);  // scattered pages
         DeviceBuffer d_tables(pages * 4), d_ctx(B * 4);
-        CUDA_CHECK(cudaMemcpy(d_tables.get(), tables.data(), pages * 4, cudaMemcpyHostToDevice));
-        CUDA_CHECK(cudaMemcpy(d_ctx.get(), ctxv.data(), B * 4, cudaMemcpyHostToDevice));
+        h2d(d_tables.get(), tables.data(), pages * 4);
+        h2d(d_ctx.get(), ctxv.data(), B * 4);
         DeviceBuffer qlat = random_buffer(int64_t{B} * H * E * 2, 0, s, 13), olat(int64_t{B} * H * R * 4),
                      lse(B * H * 4);
         const size_t sb = cu::mla_attend_paged_scratch_bytes(B, 1, H, R, static_cast<int>(ctxlen));
@@ -453,8 +460,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
           for (int64_t i = 0; i < pages; ++i) tables[i] = static_cast<int32_t>((i * 7919) % pages);  // scattered
           for (size_t i = 0; i < ctxv.size(); ++i) ctxv[i] = static_cast<int32_t>(ctxlen - q + 1 + i % q);  // causal
           DeviceBuffer d_tables(pages * 4), d_ctx(int64_t{B} * q * 4);
-          CUDA_CHECK(cudaMemcpy(d_tables.get(), tables.data(), pages * 4, cudaMemcpyHostToDevice));
-          CUDA_CHECK(cudaMemcpy(d_ctx.get(), ctxv.data(), ctxv.size() * 4, cudaMemcpyHostToDevice));
+          h2d(d_tables.get(), tables.data(), pages * 4);
+          h2d(d_ctx.get(), ctxv.data(), ctxv.size() * 4);
           DeviceBuffer qlat = random_buffer(int64_t{B} * q * H * E * 2, 0, s, 17),
                        olat(int64_t{B} * q * H * R * 4), lse(int64_t{B} * q * H * 4);
           const size_t sb = cu::mla_attend_paged_scratch_bytes(B, q, H, R, static_cast<int>(ctxlen));
@@ -493,7 +500,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
           sp.u_accept = rng.uniform();
           sp.u_draw = rng.uniform();
         }
-        CUDA_CHECK(cudaMemcpy(spec.get(), specs.data(), rows * sizeof(ops::SampleSpec), cudaMemcpyHostToDevice));
+        h2d(spec.get(), specs.data(), rows * sizeof(ops::SampleSpec));
         const ops::SampleNeeds needs = ops::sample_needs(specs.data(), rows);
         const double split_us = time_us(s, [&] {
           K3_OK(cu::sample_rows(logits.get<float>(), rows, V, spec.get<ops::SampleSpec>(), out.get<ops::SampleResult>(),
@@ -528,7 +535,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
           if (ties) CUDA_CHECK(static_cast<cudaError_t>(bench::fill(scores.get(), n, 1, 0.5f, 0.0f, 22, s)));
           std::vector<int32_t> ctxv(static_cast<size_t>(rows), static_cast<int32_t>(ctxlen));
           DeviceBuffer d_n(int64_t{rows} * 4), sel(int64_t{rows} * topk * 4), cnt(int64_t{rows} * 4);
-          CUDA_CHECK(cudaMemcpy(d_n.get(), ctxv.data(), ctxv.size() * 4, cudaMemcpyHostToDevice));
+          h2d(d_n.get(), ctxv.data(), ctxv.size() * 4);
           DeviceBuffer scratch(cu::topk_indices_scratch_bytes(rows));
           CUDA_CHECK(cudaMemsetAsync(scratch.get(), 0, scratch.bytes(), s));
           const double us = time_us(s, [&] {

@@ -32,6 +32,7 @@ class NcclComm : public Comm {
     NCCL_CHECK(ncclCommCount(comm_, &size_));
     const int32_t one = 1;
     CUDA_CHECK(cudaMemcpy(one_.get(), &one, 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaDeviceSynchronize());  // landed before a non-blocking stream reads it
   }
   ~NcclComm() override {
     if (stream_) cudaStreamSynchronize(stream_);

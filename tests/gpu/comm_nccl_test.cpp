@@ -67,6 +67,7 @@ void check_graph(k3test::Checker& ck, k3::RankGroups& g, cudaStream_t s) {
     for (int p = 0; p < n; ++p) a[p] = 1000 * round + 100 * w + p;
     CUDA_CHECK(cudaMemcpy(in.get(), h.data(), count * 2, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(a2a_send.get(), a.data(), n * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaDeviceSynchronize());  // landed before the non-blocking stream s reads them
     CUDA_CHECK(cudaGraphLaunch(exec, s));
     CUDA_CHECK(cudaStreamSynchronize(s));
     std::vector<bf16> got_ar(count), got_ag(n * count), got_rs(count);

@@ -30,7 +30,10 @@ inline cudaStream_t stream() { return reinterpret_cast<cudaStream_t>(ctx().strea
 template <typename T>
 DeviceBuffer upload(const std::vector<T>& h) {
   DeviceBuffer d(h.size() * sizeof(T));
+  // Landed on return: a pageable cudaMemcpy may return before its DMA ends, and the kernels under test run
+  // on a non-blocking stream that does not wait for it.
   if (!h.empty()) CUDA_CHECK(cudaMemcpy(d.get(), h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaDeviceSynchronize());
   return d;
 }
 template <typename T>

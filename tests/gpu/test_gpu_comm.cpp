@@ -115,6 +115,7 @@ TEST_P(GpuCommLocal, BackToBackNoHostSync) {
         for (int64_t i = 0; i < n; ++i) in[r * n + i] = to_bf16(value(r, w, i));
       DeviceBuffer d_in(rounds * n * 2), buf(n * 2), gath(G * n * 2), rs(n / G * 2 + 2), out(rounds * (n + G * n + n / G) * 2);
       CUDA_CHECK(cudaMemcpy(d_in.get(), in.data(), in.size() * 2, cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaDeviceSynchronize());  // landed before the non-blocking stream s reads it
       const int64_t per = n + G * n + n / G;
       for (int r = 0; r < rounds; ++r) {
         CUDA_CHECK(cudaMemcpyAsync(buf.get(), d_in.get<bf16>() + r * n, n * 2, cudaMemcpyDeviceToDevice, s));

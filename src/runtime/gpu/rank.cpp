@@ -50,6 +50,7 @@ GpuRank::GpuRank(const ModelConfig& c, GpuWeights weights, const GpuRankOptions&
     const std::vector<float> ones(static_cast<size_t>(o.shard.world_size * dims_.ep_cap), 1.0f);
     ep_ones_ = DeviceBuffer(ones.size() * 4);
     CUDA_CHECK(cudaMemcpy(ep_ones_.get(), ones.data(), ones.size() * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaDeviceSynchronize());  // landed before a non-blocking stream reads it
   }
   max_pages_ = static_cast<int>(table_.max_pages_per_slot());
   const int64_t D = c.hidden_size, V = c.vocab_size, R = dims_.max_rows;

@@ -153,6 +153,9 @@ GpuWeights build_gpu_weights(const ModelConfig& c, const ShardSpec& shard, const
     }
     w.layers.push_back(L);
   }
+  // Every copy landed before a step reads it: a pageable cudaMemcpy may return before its DMA ends, and the
+  // step's non-blocking streams do not wait for it.
+  CUDA_CHECK(cudaDeviceSynchronize());
   return g;
 }
 
