@@ -43,7 +43,8 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
 // and -0 as +0 (the CPU topk_indices); the rest of the row is -1. count int32 [T] = min(k, n[t]). k <= 2048,
 // ld < 2^31.
 //
-// Each row is split over several CTAs (dsa_topk.cu): ctas_per_row 0 chooses the split from T, ld and the
+// Auto (ctas_per_row 0) takes topk_indices_one_cta unless the rows are long and few (ld >= 16384 T, or ld <= 4096),
+// where it is slower. Otherwise each row is split over several CTAs (dsa_topk.cu): ctas_per_row 0 chooses the split from T, ld and the
 // device's SM count (about two CTAs per SM over all rows, at least 2048 columns each; one CTA per row from
 // ~2 SMs rows on); > 0 forces that many (at least 4 columns each), for the tests. The result does not depend
 // on the split. Up to 6 kernels in stream order (1 when ld <= 4096), no allocation, no host synchronization:
@@ -56,8 +57,8 @@ size_t topk_indices_scratch_bytes(int64_t max_rows);
 int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx, int32_t* count,
                  void* scratch, size_t scratch_bytes, CUstream_st* stream, int64_t ctas_per_row = 0);
 
-// The previous kernel, one CTA of 1024 threads per row (5 passes over the row): the same contract without a
-// scratch, kept as the reference the split kernel is tested and benchmarked against.
+// One CTA of 1024 threads per row (5 passes over the row): the same contract without a scratch; what auto
+// takes on short or many rows, and the reference the split kernel is tested against.
 int topk_indices_one_cta(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx,
                          int32_t* count, CUstream_st* stream);
 

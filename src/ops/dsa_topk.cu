@@ -54,6 +54,7 @@ constexpr int kPer = kCap / kThreads;  // pairs per thread in the sort
 constexpr int kMaxBins = 4096;         // the widest pass: 12 bits
 constexpr int kUnroll = 4;             // float4 loads (or 4 scalar loads) in flight per thread
 constexpr int64_t kMinChunk = 2048;    // columns per CTA at least (auto split)
+constexpr int64_t kSplitColumnsPerRow = 16384;  // auto: the split only when ld >= this many columns per row
 constexpr int kMaxPasses = 8;          // 3 key passes + at most 2 index passes (ld < 2^31)
 static_assert(kPer == 8, "the sort's register / shuffle / shared stages assume 8 pairs per thread");
 static_assert(kMaxK <= kCap / 2 + 1, "a gathered bin plus the pairs above it must fit kCap");
@@ -472,6 +473,10 @@ int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, i
   if (T == 0) return cudaSuccess;
   if (scratch == nullptr || !detail::aligned16(scratch) || scratch_bytes < topk_indices_scratch_bytes(T))
     return cudaErrorInvalidValue;
+  // The split pays its launches and passes back only on long rows that are few (docs/PERF.md, DSA): elsewhere
+  // the one-CTA kernel is faster, with the same result.
+  if (ctas_per_row == 0 && ld > kCap && T * kSplitColumnsPerRow > ld)
+    return topk_indices_one_cta(scores, ld, n, T, k, idx, count, stream);
   Params p{};
   p.scores = scores;
   p.ld = ld;
