@@ -3,7 +3,8 @@
 # reference, the tiny models on the GPU against the CPU engine (eager and
 # graphed), the parallel-runtime matrix on one GPU (GpuParallel: every layout
 # as ranks-as-threads with the local GPU comm), compute-sanitizer memcheck over
-# the tiny-model run and one multi-rank layout, the nccl backend through
+# the tiny-model run, one multi-rank layout and the decode kernels' small
+# cases (racecheck on the top-k), the nccl backend through
 # mpirun -np 1 (when built with K3_NCCL), (with
 # --bench) the rank-slice benchmark of both variants, and (with --serve) the
 # serving figures (scripts/serve-bench.sh: the small preset on the GPU). Logs and the bench JSON
@@ -53,6 +54,14 @@ if command -v compute-sanitizer >/dev/null; then
   compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" \
     --gtest_filter='*GpuParallel.MatchesCpuSingleRank/tp2_dp2_dcp2' >"$out/memcheck_parallel.log" 2>&1 || status=1
   tail -3 "$out/memcheck_parallel.log"
+  # The decode kernels on small cases of their own: the split top-k (and its shared-memory races), wgmma MLA,
+  # kda_prep, the split sampler.
+  compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" --gtest_filter='TopkSplitCuda.SmallRowsForTheSanitizer:K3/MlaAttendK3Cuda.*/3:Shapes/KdaPrepCuda.*/0:Shapes/KdaPrepCuda.*/1:CudaSampling.MatchesCpuOp' \
+    >"$out/memcheck_kernels.log" 2>&1 || status=1
+  tail -1 "$out/memcheck_kernels.log"
+  compute-sanitizer --tool racecheck --error-exitcode 3 "$bin/k3_gpu_tests" \
+    --gtest_filter='TopkSplitCuda.SmallRowsForTheSanitizer' >"$out/racecheck_topk.log" 2>&1 || status=1
+  tail -1 "$out/racecheck_topk.log"
 fi
 # The main job on the GPU: generate on the tiny model, beside the CPU's tokens.
 for d in gpu cpu; do
