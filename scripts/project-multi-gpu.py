@@ -17,7 +17,7 @@ PROJECTIONS, NOT MEASUREMENTS. For every record (variant, step mode, B, q) of `k
   bytes); the count reproduces copies_per_step at every point. Each copy is modelled as a + 2 bytes /
   HBM (read + write at the run's measured bandwidth), a fitted per point so that the copies sum to
   the traced time; the loopback share is its copies' a and bytes. The other copies (69 KDA gate
-  columns, 8 AttnRes block starts, the 8 lm_head column blocks) stay in the kernel part: the real
+  columns in trees before kda_prep, told by the record's copy count; 8 AttnRes block starts, the 8 lm_head column blocks) stay in the kernel part: the real
   step makes them too.
 - TP collectives (one node, NVLink), sizes per layer from docs/PARALLEL.md and runtime/steps.cpp:
     stock      all_gather (G c D 2 bytes out) per layer + 1 before the lm_head, reduce_scatter
@@ -137,8 +137,9 @@ def doubling(first, total):
     return out
 
 
-def step_copies(mode, m, d):
-    """Every device copy of one rank-slice step: (loopback?, bytes) per copy (runtime/gpu_*.cpp)."""
+def step_copies(mode, m, d, kda_gate_copies=True):
+    """Every device copy of one rank-slice step: (loopback?, bytes) per copy (runtime/gpu_*.cpp).
+    kda_gate_copies: the tree copied the KDA gate columns (before kda_prep read them in place)."""
     D, L, k = d["D"], d["L"], d["k"]
     c = (m + G - 1) // G
     row, lat = D * 2, L * 2
@@ -171,7 +172,8 @@ def step_copies(mode, m, d):
     if mode == "stock":
         gather()  # before the lm_head
     res_rows = c if mode == "stock" else m
-    cp.extend([(False, m * d["kda_d"] * 2)] * d["n_kda"])  # KDA gate columns
+    if kda_gate_copies:
+        cp.extend([(False, m * d["kda_d"] * 2)] * d["n_kda"])  # KDA gate columns
     cp.extend([(False, res_rows * row)] * d["n_blocks"])  # AttnRes block starts
     cp.extend([(False, m * (d["V"] // G) * 4)] * G)  # lm_head slices into the logits
     return cp
@@ -198,6 +200,8 @@ def loopback_us(r, mode, d):
     gaps = sum(g["us"] for g in r["trace_gaps_before"] if g["before"] in COPY_OPS)
     traced = max(0.0, busy) + gaps
     cp = step_copies(mode, r["rows"], d)
+    if r["copies_per_step"] and abs(len(cp) - r["copies_per_step"]) > 2:
+        cp = step_copies(mode, r["rows"], d, kda_gate_copies=False)  # a tree with kda_prep
     bw = r["hbm_gbps"] * 1e3  # bytes per us
     moved = sum(2 * b / bw for _, b in cp)
     a = max(0.0, (traced - moved) / len(cp))
