@@ -480,9 +480,9 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         }
   }
   // 5. Token sampling on the step's logits (K3's vocab, FP32), the floor one read of the logits: greedy (one
-  // launch), greedy with log-probs, nucleus sampling with a draft and log-probs; the one-CTA kernel beside it.
+  // launch), greedy with log-probs, nucleus sampling with a draft and log-probs.
   if (want("sampling")) {
-    fmt::print("\nsample_rows (vocab 163840, FP32 logits): us per call, split kernel / one-CTA kernel\n");
+    fmt::print("\nsample_rows (vocab 163840, FP32 logits): us per call\n");
     const int64_t V = 163840, maxR = 256;
     DeviceBuffer logits(maxR * V * 4), out(maxR * sizeof(ops::SampleResult));
     K3_OK(bench::fill(logits.get(), maxR * V, 1, 0.0f, 8.0f, 31, s));  // uniform in [-8, 8]
@@ -506,16 +506,12 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
           K3_OK(cu::sample_rows(logits.get<float>(), rows, V, spec.get<ops::SampleSpec>(), out.get<ops::SampleResult>(),
                                 scratch.get(), scratch.bytes(), s, needs));
         });
-        const double one_us = time_us(s, [&] {
-          K3_OK(cu::sample_rows_one_cta(logits.get<float>(), rows, V, spec.get<ops::SampleSpec>(),
-                                        out.get<ops::SampleResult>(), s));
-        });
         const char* what = mode == 0 ? "greedy" : mode == 1 ? "greedy logprob" : "T 0.7 top_p 0.9 draft logprob";
         const double bytes = double(rows) * V * 4;
-        fmt::print("  rows {:>3} {:<30}: {:>8.1f} us (one-CTA {:>8.1f} us), floor {:>6.1f} us, {:>5.0f}%\n", rows, what,
-                   split_us, one_us, bytes / bw * 1e6, 100 * bytes / bw * 1e6 / split_us);
+        fmt::print("  rows {:>3} {:<30}: {:>8.1f} us, floor {:>6.1f} us, {:>5.0f}%\n", rows, what, split_us,
+                   bytes / bw * 1e6, 100 * bytes / bw * 1e6 / split_us);
         record("sample_rows", fmt::format("rows{} {}", rows, what), split_us, bytes,
-               {{"rows", rows}, {"vocab", V}, {"mode", what}, {"one_cta_us", one_us}});
+               {{"rows", rows}, {"vocab", V}, {"mode", what}});
       }
     }
   }

@@ -1,20 +1,20 @@
 // CUDA sample_rows (ops/sampling.h): each row's vocabulary split over several CTAs, no sort, no allocation.
 //
-// The results are those of the one-CTA kernel (sampling_one_cta.cu), whose math this keeps: the argmax with
-// ties to the lower id; each token's mass an integer, w_i = round(exp((l_i - max) / T) * 2^40) (the same FP32
-// expression; w <= 2^40, so a row's total fits 64 bits for any vocab under 2^23); the kept set found by a
-// mass-weighted radix select on the logits' order-preserving float bits (three passes of 11, 11, 10 bits,
-// the edge bin chosen where the mass from the top reaches need = top_p * total); the draw, the first id
-// whose cumulative kept mass (in id order, the rejected draft left out) exceeds u_draw * mass. Every
-// quantity combined across CTAs is a max over a total order (value, then id) or a sum of integers, so the
-// order in which CTAs combine does not matter, and neither does the split: the ids and accepted flags are
-// the one-CTA kernel's bit for bit, whatever the rows, the SM count or ctas_per_row.
+// The math of the CPU op (ops/sampling.cpp), with integer masses where CTAs combine (the CPU sums in float64:
+// the two pick the same ids except within rounding of a boundary): the argmax with ties to
+// the lower id; each token's mass an integer, w_i = round(exp((l_i - max) / T) * 2^40) (w <= 2^40, so a
+// row's total fits 64 bits for any vocab under 2^23); the kept set found by a mass-weighted radix select on
+// the logits' order-preserving float bits (three passes of 11, 11, 10 bits, the edge bin chosen where the
+// mass from the top reaches need = top_p * total); the draw, the first id whose cumulative kept mass (in id
+// order, the rejected draft left out) exceeds u_draw * mass. Every quantity combined across CTAs is a max
+// over a total order (value, then id) or a sum of integers, so the order in which CTAs combine does not
+// matter, and neither does the split: the results are the same bits whatever the rows, the SM count or
+// ctas_per_row (a request's draw does not depend on what it is batched with).
 //
-// The log-probability's normalizer is now an integer sum too (z1 = sum of round(exp(l_i - max) * 2^40),
-// which for T = 1 is the total mass): an FP32 sum would change with the split, which depends on the batch
-// (a request's log-probs would depend on what it is batched with). It drops terms under 2^-41 of the
-// largest and rounds each to 2^-40 (at most V 2^-41 of z1 >= 1 in all, under 1e-7 at V = 163840), so the
-// log-prob differs from the one-CTA kernel's FP32 sum by rounding only (~1e-6 relative).
+// The log-probability's normalizer is an integer sum too (z1 = sum of round(exp(l_i - max) * 2^40), which
+// for T = 1 is the total mass). It drops terms under 2^-41 of the largest and rounds each to 2^-40 (at most
+// V 2^-41 of z1 >= 1 in all, under 1e-7 at V = 163840): the log-prob is the float64 log-softmax's to ~1e-6
+// relative.
 //
 // Layout: row r runs on CTAs r S .. r S + S - 1 (S = sample_split(rows, V).ctas = floor(2 SMs / rows): one
 // wave of two CTAs per SM over all rows, while a chunk keeps >= 2048 ids; one CTA per row from SMs + 1 rows
@@ -167,7 +167,7 @@ __device__ __forceinline__ uint32_t key_of(float v) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// The integer mass (the one-CTA kernel's expression, bit for bit).
+// The integer mass of a token.
 __device__ __forceinline__ unsigned long long weight(float v, float m, float T) {
   if (v == -INFINITY) return 0;
   return __float2ull_rn(expf((v - m) / T) * 0x1p40f);

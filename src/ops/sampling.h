@@ -91,15 +91,9 @@ size_t sample_rows_scratch_bytes(int64_t max_rows, int64_t vocab, int64_t ctas_p
 // Each row split over sample_split(rows, vocab, ctas_per_row).ctas CTAs, up to six kernels (fewer when `needs`,
 // from the host specs, says no row needs them), no allocation, no host synchronization: capturable in a CUDA
 // graph (capture with the default `needs`, the replays' specs being unknown). Specs are trusted (the host
-// checks them: check_specs). Ids and accepted flags are those of sample_rows_one_cta, bit for bit; log-probs
-// agree with it to rounding (see sampling.cu) and do not depend on the split.
+// checks them: check_specs). Ids, accepted flags and log-probs do not depend on the split (see sampling.cu).
 int sample_rows(const float* logits, int64_t rows, int64_t vocab, const SampleSpec* spec, SampleResult* out,
                 void* scratch, size_t scratch_bytes, CUstream_st* stream, SampleNeeds needs = {},
                 int64_t ctas_per_row = 0);
-
-// The previous kernel, one CTA of 1024 threads per row reading the row up to six times (sampling_one_cta.cu):
-// kept as the reference that sample_rows is tested (and benchmarked) against. Same contract, no scratch.
-int sample_rows_one_cta(const float* logits, int64_t rows, int64_t vocab, const SampleSpec* spec, SampleResult* out,
-                        CUstream_st* stream);
 
 }  // namespace k3::ops::cuda

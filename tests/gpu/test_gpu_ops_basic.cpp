@@ -767,14 +767,6 @@ std::vector<ops::SampleResult> run_split(const DeviceBuffer& dl, const DeviceBuf
   return download<ops::SampleResult>(dout, static_cast<size_t>(rows));
 }
 
-std::vector<ops::SampleResult> run_one_cta(const DeviceBuffer& dl, const DeviceBuffer& ds, int64_t rows, int64_t vocab) {
-  DeviceBuffer dout(std::max<size_t>(rows * sizeof(ops::SampleResult), 16));
-  EXPECT_EQ(ops::cuda::sample_rows_one_cta(dl.get<float>(), rows, vocab, ds.get<ops::SampleSpec>(),
-                                           dout.get<ops::SampleResult>(), st()),
-            0);
-  return download<ops::SampleResult>(dout, static_cast<size_t>(rows));
-}
-
 bool same_results(const std::vector<ops::SampleResult>& a, const std::vector<ops::SampleResult>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(ops::SampleResult)) == 0;
 }
@@ -794,12 +786,11 @@ struct Tally {
   int rows = 0, boundary = 0, accepted = 0, rejected = 0;
 };
 
-// The split kernel's results `got` for logits [rows, V] under spec against the one-CTA kernel's (`one`: ids and
-// flags bit for bit) and the CPU op's (`cpu`: ids and flags equal except within 1e-5 of a boundary of its float64
-// sums; log-probs within rounding of the float64 log-softmax, integer z1: ~1e-6).
+// The kernel's results `got` for logits [rows, V] under spec against the CPU op's (`cpu`: ids and flags equal
+// except within 1e-5 of a boundary of its float64 sums; log-probs within rounding of the float64 log-softmax,
+// integer z1: ~1e-6).
 void check_rows(const std::vector<float>& logits, const std::vector<ops::SampleSpec>& spec, int64_t V,
-                const std::vector<ops::SampleResult>& got, const std::vector<ops::SampleResult>& one,
-                const std::vector<ops::SampleResult>& cpu, Tally& t) {
+                const std::vector<ops::SampleResult>& got, const std::vector<ops::SampleResult>& cpu, Tally& t) {
   ASSERT_EQ(got.size(), spec.size());
   for (size_t r = 0; r < spec.size(); ++r) {
     const ops::SampleSpec& s = spec[r];
@@ -808,8 +799,6 @@ void check_rows(const std::vector<float>& logits, const std::vector<ops::SampleS
                                     << s.draft << " u " << s.u_accept << " " << s.u_draw);
     ++t.rows;
     ASSERT_TRUE(got[r].token >= 0 && got[r].token < V) << "token " << got[r].token;
-    EXPECT_EQ(got[r].token, one[r].token) << "the one-CTA kernel's id";
-    EXPECT_EQ(got[r].accepted, one[r].accepted) << "the one-CTA kernel's flag";
     if (s.draft >= 0) (got[r].accepted ? t.accepted : t.rejected)++;
     if (got[r].token != cpu[r].token || got[r].accepted != cpu[r].accepted) {
       ++t.boundary;
@@ -829,9 +818,9 @@ void check_rows(const std::vector<float>& logits, const std::vector<ops::SampleS
   }
 }
 
-// The kernel against the CPU op and the one-CTA kernel: vocab 1000 / 4099 / 163840, 1..256 rows, T in {0, 0.7,
+// The kernel against the CPU op: vocab 1000 / 4099 / 163840, 1..256 rows, T in {0, 0.7,
 // 1.3}, top_p in {1, 0.9, 0.5}, no draft / a random draft / the argmax as draft, log-probs asked. Ids and
-// accepted flags equal the one-CTA kernel's, and the CPU's except at boundary rows (counted, bounded); log-probs
+// accepted flags equal the CPU's except at boundary rows (counted, bounded); log-probs
 // near the float64 log-softmax; the kernel is deterministic (two runs, equal bytes). Special rows: ties for the
 // maximum, NaN at id 0, NaN / -inf / +inf.
 TEST(CudaSampling, MatchesCpuOp) {
@@ -876,7 +865,7 @@ TEST(CudaSampling, MatchesCpuOp) {
       const auto got = run_split(dl, ds, rows, vocab, scratch);
       const auto again = run_split(dl, ds, rows, vocab, scratch);
       ASSERT_TRUE(same_results(got, again)) << "not deterministic";
-      check_rows(logits, spec, vocab, got, run_one_cta(dl, ds, rows, vocab), want, t);
+      check_rows(logits, spec, vocab, got, want, t);
     }
   }
   char line[200];
@@ -941,7 +930,7 @@ std::vector<float> split_row(Rng& rng, int64_t V, int kind, int64_t chunk, int64
 // of split_row under T in {0, 0.7, 1, 1.3}, top_p in {1, 0.9, 0.5, 0.05}, drafts (none, the argmax, a token of
 // the row's equal run, a random one), log-probs on and off. Each batch runs under several splits (auto, 1, 2, 3,
 // 7 CTAs per row and the most: a CTA per 64 ids), whose results must be equal byte for byte (log-probs too: every
-// sum is an integer); they are checked against the one-CTA kernel and the CPU op (check_rows). Then 300 rows (the
+// sum is an integer); they are checked against the CPU op (check_rows). Then 300 rows (the
 // batch repeated with new uniforms) and each of the first rows alone.
 TEST(CudaSampling, SplitBoundaries) {
   K3_REQUIRE_GPU();
@@ -978,7 +967,6 @@ TEST(CudaSampling, SplitBoundaries) {
     std::vector<ops::SampleResult> cpu(spec.size());
     ops::sample_rows(logits.data(), rows, V, spec.data(), cpu.data());
     DeviceBuffer dl = upload(logits), ds = upload(spec);
-    const auto one = run_one_cta(dl, ds, rows, V);
     std::vector<ops::SampleResult> first;
     const int64_t most = (V + 63) / 64;
     for (int64_t ctas : {int64_t{0}, int64_t{1}, int64_t{2}, int64_t{3}, int64_t{7}, most}) {
@@ -988,7 +976,7 @@ TEST(CudaSampling, SplitBoundaries) {
       const auto got = run_split(dl, ds, rows, V, scratch, ctas);
       if (first.empty()) {
         first = got;
-        check_rows(logits, spec, V, got, one, cpu, t);
+        check_rows(logits, spec, V, got, cpu, t);
       } else {
         EXPECT_TRUE(same_results(got, first)) << "the split changed a result";
       }
@@ -1008,7 +996,7 @@ TEST(CudaSampling, SplitBoundaries) {
     std::vector<ops::SampleResult> many_cpu(many_spec.size());
     ops::sample_rows(many.data(), n, V, many_spec.data(), many_cpu.data());
     DeviceBuffer dml = upload(many), dms = upload(many_spec), mscratch = sample_scratch(n, V);
-    check_rows(many, many_spec, V, run_split(dml, dms, n, V, mscratch), run_one_cta(dml, dms, n, V), many_cpu, t);
+    check_rows(many, many_spec, V, run_split(dml, dms, n, V, mscratch), many_cpu, t);
     // Single rows: the widest automatic split.
     DeviceBuffer one_scratch = sample_scratch(1, V);
     for (int64_t r = 0; r < std::min<int64_t>(rows, 12); ++r) {
@@ -1058,11 +1046,10 @@ TEST(CudaSampling, NeedsSkipOnlyUnusedPhases) {
     const auto all = run_split(dl, ds, rows, V, scratch);
     const auto skipped = run_split(dl, ds, rows, V, scratch, 0, needs);
     EXPECT_TRUE(same_results(all, skipped));
-    const auto one = run_one_cta(dl, ds, rows, V);
-    for (int64_t r = 0; r < rows; ++r) {
-      EXPECT_EQ(skipped[r].token, one[r].token) << "row " << r;
-      EXPECT_EQ(skipped[r].accepted, one[r].accepted) << "row " << r;
-    }
+    std::vector<ops::SampleResult> cpu(spec.size());
+    ops::sample_rows(logits.data(), rows, V, spec.data(), cpu.data());
+    Tally t;
+    check_rows(logits, spec, V, skipped, cpu, t);
   }
 }
 
@@ -1109,7 +1096,7 @@ TEST(CudaSampling, GraphReplayMatchesEager) {
     std::vector<ops::SampleResult> cpu(spec.size());
     ops::sample_rows(logits.data(), rows, V, spec.data(), cpu.data());
     Tally t;
-    check_rows(logits, spec, V, replayed, run_one_cta(dl, ds, rows, V), cpu, t);
+    check_rows(logits, spec, V, replayed, cpu, t);
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -1158,7 +1145,7 @@ TEST(CudaSampling, SplitGeometry) {
 
 // Time per call at K3's vocab for 1, 8, 64 and 256 rows against the bytes read once: greedy without log-probs
 // (the launches the host specs need: one), greedy with log-probs, and T 0.7 top-p 0.9 with a draft and
-// log-probs; the one-CTA kernel beside each.
+// log-probs.
 TEST(CudaSampling, Timing) {
   K3_REQUIRE_GPU();
   const int64_t V = 163840;
@@ -1182,32 +1169,25 @@ TEST(CudaSampling, Timing) {
       cudaEvent_t e0, e1;
       cudaEventCreate(&e0);
       cudaEventCreate(&e1);
-      double us[2];
-      for (int k = 0; k < 2; ++k) {
-        auto call = [&] {
-          return k == 0 ? ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(),
-                                                 dout.get<ops::SampleResult>(), scratch.get(), scratch.bytes(), st(), needs)
-                        : ops::cuda::sample_rows_one_cta(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(),
-                                                         dout.get<ops::SampleResult>(), st());
-        };
-        for (int i = 0; i < 3; ++i) ASSERT_EQ(call(), 0);
-        const int iters = 20;
-        cudaEventRecord(e0, st());
-        for (int i = 0; i < iters; ++i) call();
-        cudaEventRecord(e1, st());
-        cudaEventSynchronize(e1);
-        float ms = 0;
-        cudaEventElapsedTime(&ms, e0, e1);
-        us[k] = 1e3 * ms / iters;
-      }
+      auto call = [&] {
+        return ops::cuda::sample_rows(dl.get<float>(), rows, V, ds.get<ops::SampleSpec>(), dout.get<ops::SampleResult>(),
+                                      scratch.get(), scratch.bytes(), st(), needs);
+      };
+      for (int i = 0; i < 3; ++i) ASSERT_EQ(call(), 0);
+      const int iters = 20;
+      cudaEventRecord(e0, st());
+      for (int i = 0; i < iters; ++i) call();
+      cudaEventRecord(e1, st());
+      cudaEventSynchronize(e1);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e0, e1);
+      const double us = 1e3 * ms / iters;
       const double floor_us = 1e6 * rows * V * 4.0 / 4.4e12;
       const char* what = mode == 0 ? "greedy" : mode == 1 ? "greedy logprob" : "T 0.7 top_p 0.9 draft logprob";
       char line[240];
       std::snprintf(line, sizeof line,
-                    "[ gpu ] sample_rows V %lld rows %lld %s: %.1f us (one-CTA kernel %.1f us; HBM floor of one read "
-                    "%.2f us, %.1fx)\n",
-                    static_cast<long long>(V), static_cast<long long>(rows), what, us[0], us[1], floor_us,
-                    us[0] / floor_us);
+                    "[ gpu ] sample_rows V %lld rows %lld %s: %.1f us (HBM floor of one read %.2f us, %.1fx)\n",
+                    static_cast<long long>(V), static_cast<long long>(rows), what, us, floor_us, us / floor_us);
       report(line);
       cudaEventDestroy(e0);
       cudaEventDestroy(e1);
