@@ -63,14 +63,18 @@ size_t utf8_complete(const std::string& s) {
   return n;
 }
 
-// One choice's output as events arrive.
+// One choice's output, gathered for a whole answer.
 struct Choice {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
-  std::string pending_bytes;  // decoded bytes not yet sent (an incomplete UTF-8 sequence)
   FinishReason reason = FinishReason::None;
   std::string error;
-  bool done = false;
+};
+
+// One streamed choice: what has been sent of it.
+struct StreamedChoice {
+  size_t tokens = 0;          // generated tokens sent (the usage)
+  std::string pending_bytes;  // decoded bytes not yet sent (an incomplete UTF-8 sequence)
 };
 
 // The events of one HTTP request's choices, filled on the scheduler thread.
@@ -551,7 +555,7 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
     if (cancelled->exchange(true)) return;
     for (int64_t i : ids) s.sched.cancel(i);
   };
-  auto states = std::make_shared<std::vector<Choice>>(reqs.size());
+  auto states = std::make_shared<std::vector<StreamedChoice>>(reqs.size());
   auto sent_role = std::make_shared<std::vector<bool>>(reqs.size(), false);
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
@@ -575,8 +579,8 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
         };
         if (evs.empty() && !finished) return write(": waiting\n\n");  // a comment: detects a gone client
         for (auto& [i, ev] : evs) {
-          Choice& c = (*states)[i];
-          c.tokens.insert(c.tokens.end(), ev.tokens.begin(), ev.tokens.end());
+          StreamedChoice& c = (*states)[i];
+          c.tokens += ev.tokens.size();
           std::string bytes = c.pending_bytes + s.text_of(ev.tokens);
           size_t cut = ev.done ? bytes.size() : utf8_complete(bytes);
           c.pending_bytes = bytes.substr(cut);
@@ -605,7 +609,7 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
         if (finished) {
           if (include_usage) {
             size_t completion = 0;
-            for (const Choice& c : *states) completion += c.tokens.size();
+            for (const StreamedChoice& c : *states) completion += c.tokens;
             const json chunk = {{"id", id},
                                 {"object", chat ? "chat.completion.chunk" : "text_completion"},
                                 {"created", created},
