@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The serving figures of docs/PERF.md ("Serving on the GPU"): `k3decode serve` under scripts/serve-load.py,
 # greedy and sampled (temperature 0.8, top-p 1) at several concurrencies, then n-gram drafting against none on
-# a repetitive workload. Every server is stopped by SIGTERM and given 60 s to drain, then killed: the script
+# a repetitive workload (prompts repeating a passage; and 256-token greedy outputs, which cycle). Every server is stopped by SIGTERM and given 60 s to drain, then killed: the script
 # never waits on a server without a bound.
 #
 # usage: scripts/serve-bench.sh K3DECODE OUT [--device gpu|cpu] [--preset small] [--concurrency "1 8 32 64"]
@@ -77,6 +77,10 @@ fi
 for draft in 0 4; do
   if start "serve_draft$draft" --max-slots 64 --max-context 512 --draft "$draft"; then
     load "serve_repetitive_draft$draft" --concurrency 1 8 --requests 16 --max-tokens "$max_tokens" --prompt-len 32 \
+      --vocab "$vocab" --repetitive
+    # Long greedy outputs: a synthetic model's greedy continuation falls into cycles, so it repeats its own
+    # context (the case prompt lookup is for) without a trained model.
+    load "serve_long_draft$draft" --concurrency 1 8 --requests 16 --max-tokens 256 --prompt-len 32 \
       --vocab "$vocab" --repetitive
     stop
   else
