@@ -55,6 +55,7 @@
 #include "runtime/engine.h"
 #include "runtime/generate.h"
 #include "runtime/steps.h"
+#include "parallel_script.h"
 
 namespace {
 
@@ -239,87 +240,10 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
-std::vector<int32_t> random_tokens(k3::Rng& rng, int n, int vocab) {
-  std::vector<int32_t> t;
-  for (int i = 0; i < n; ++i) t.push_back(static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab))));
-  return t;
-}
-
-// ---------------------------------------------------------------- teacher-forced scripts
-
-// One step of a replica: requests (global ids) x q tokens, then commit[b] of each.
-struct Op {
-  std::vector<int> reqs;
-  int q = 1;
-  std::vector<int32_t> tokens;  // [B q]
-  std::vector<int> commits;     // [B]
-};
-
-// Request i is served by replica i mod dp (as generate() does). Each replica's
-// ops: prefill chunks (max_q = 4) of each request on its own, a batched q = 2
-// step, decode steps of all / of one request (rows < G), a verify step (q = 3)
-// with partial accepts (2, 1, 0), decode, a second verify (q = 4) accepting
-// 1 / 3 / 2, decode. A replica with fewer ops steps with B = 0 while the
-// others finish (the MoE exchange spans every rank).
-struct Script {
-  int dp = 1;
-  std::vector<int> prompt_len;
-  std::vector<std::vector<int>> requests;  // per replica
-  std::vector<std::vector<Op>> ops;        // per replica
-  int rounds = 0;
-};
-
-Script make_script(int dp, int vocab) {
-  Script s;
-  s.dp = dp;
-  s.prompt_len = dp == 1 ? std::vector<int>{7, 2, 5} : std::vector<int>{7, 2, 5, 3, 1};
-  const int n = static_cast<int>(s.prompt_len.size());
-  s.requests.resize(dp);
-  s.ops.resize(dp);
-  for (int i = 0; i < n; ++i) s.requests[i % dp].push_back(i);
-  k3::Rng rng(4242);
-  for (int p = 0; p < dp; ++p) {
-    const std::vector<int>& R = s.requests[p];
-    const int B = static_cast<int>(R.size());
-    auto all = [&](int q, std::vector<int> commits) {
-      Op op;
-      op.reqs = R;
-      op.q = q;
-      op.tokens = random_tokens(rng, B * q, vocab);
-      op.commits = commits.empty() ? std::vector<int>(B, q) : commits;
-      op.commits.resize(B);
-      return op;
-    };
-    for (int id : R)
-      for (int at = 0; at < s.prompt_len[id]; at += 4) {
-        Op op;
-        op.reqs = {id};
-        op.q = std::min(4, s.prompt_len[id] - at);
-        op.tokens = random_tokens(rng, op.q, vocab);
-        op.commits = {op.q};
-        s.ops[p].push_back(op);
-      }
-    s.ops[p].push_back(all(2, {}));
-    s.ops[p].push_back(all(1, {}));
-    s.ops[p].push_back(all(1, {}));
-    {
-      Op one;  // one row only: fewer rows than ranks on G >= 2
-      one.reqs = {R[0]};
-      one.q = 1;
-      one.tokens = random_tokens(rng, 1, vocab);
-      one.commits = {1};
-      s.ops[p].push_back(one);
-    }
-    s.ops[p].push_back(all(3, {2, 1, 0}));
-    s.ops[p].push_back(all(1, {}));
-    s.ops[p].push_back(all(1, {}));
-    s.ops[p].push_back(all(4, {1, 3, 2}));
-    s.ops[p].push_back(all(1, {}));
-    s.ops[p].push_back(all(1, {}));
-    s.rounds = std::max(s.rounds, static_cast<int>(s.ops[p].size()));
-  }
-  return s;
-}
+using k3::test::Op;
+using k3::test::random_tokens;
+using k3::test::Script;
+using k3::test::make_script;
 
 struct StepRecord {
   Logits logits;           // [B q, V]

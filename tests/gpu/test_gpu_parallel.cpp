@@ -25,6 +25,7 @@
 #include <mutex>
 #include <thread>
 
+#include "../parallel_script.h"
 #include "gpu_test_util.h"
 #include "io/synthetic.h"
 #include "runtime/cluster.h"
@@ -53,64 +54,11 @@ const Model& tiny(const std::string& variant) {
   return it->second;
 }
 
-// ---- scripts (as test_parallel.cpp: request i served by replica i mod dp)
+// ---- scripts: tests/parallel_script.h (as test_parallel.cpp)
 
-struct Op {
-  std::vector<int> reqs;
-  int q = 1;
-  std::vector<int32_t> tokens;  // [B q]
-  std::vector<int> commits;     // [B]
-  std::string what;
-};
-struct Script {
-  int dp = 1;
-  std::vector<int> prompt_len;
-  std::vector<std::vector<int>> requests;  // per replica
-  std::vector<std::vector<Op>> ops;        // per replica
-  int rounds = 0;
-};
-
-Script make_script(int dp, int vocab) {
-  Script s;
-  s.dp = dp;
-  s.prompt_len = dp == 1 ? std::vector<int>{7, 2, 5} : std::vector<int>{7, 2, 5, 3, 1};
-  const int n = static_cast<int>(s.prompt_len.size());
-  s.requests.resize(dp);
-  s.ops.resize(dp);
-  for (int i = 0; i < n; ++i) s.requests[i % dp].push_back(i);
-  Rng rng(4242);
-  auto tokens = [&](int k) {
-    std::vector<int32_t> t(static_cast<size_t>(k));
-    for (auto& x : t) x = static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab)));
-    return t;
-  };
-  for (int p = 0; p < dp; ++p) {
-    const std::vector<int>& R = s.requests[p];
-    const int B = static_cast<int>(R.size());
-    auto all = [&](int q, std::vector<int> commits, const char* what) {
-      Op op{R, q, tokens(B * q), commits.empty() ? std::vector<int>(B, q) : commits, what};
-      op.commits.resize(B);
-      return op;
-    };
-    for (int id : R)
-      for (int at = 0; at < s.prompt_len[id]; at += 4) {
-        const int q = std::min(4, s.prompt_len[id] - at);
-        s.ops[p].push_back(Op{{id}, q, tokens(q), {q}, "prefill chunk"});
-      }
-    s.ops[p].push_back(all(2, {}, "q 2"));
-    s.ops[p].push_back(all(1, {}, "decode"));
-    s.ops[p].push_back(all(1, {}, "decode"));
-    s.ops[p].push_back(Op{{R[0]}, 1, tokens(1), {1}, "one row"});
-    s.ops[p].push_back(all(3, {2, 1, 0}, "verify q 3 accept 2/1/0"));
-    s.ops[p].push_back(all(1, {}, "decode"));
-    s.ops[p].push_back(all(1, {}, "decode"));
-    s.ops[p].push_back(all(4, {1, 3, 2}, "verify q 4 accept 1/3/2"));
-    s.ops[p].push_back(all(1, {}, "decode"));
-    s.ops[p].push_back(all(1, {}, "decode"));
-    s.rounds = std::max(s.rounds, static_cast<int>(s.ops[p].size()));
-  }
-  return s;
-}
+using test::make_script;
+using test::Op;
+using test::Script;
 
 // The single-rank CPU reference: [replica][op] logits.
 std::vector<std::vector<std::vector<float>>> play_reference(const Model& m, const Script& s) {
