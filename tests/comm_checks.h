@@ -16,6 +16,8 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -134,6 +136,30 @@ float rank_order_sum(const std::vector<int>& members, Gen gen, int64_t i) {
 }
 
 // ---- group membership by the layout formula of comm.h -----------------------
+
+// The layout of a test binary's command line: --tp G --dp N --dcp D (each optional). On a bad argument,
+// prints the usage and returns false.
+inline bool parse_layout_args(int argc, char** argv, k3::Layout* L) {
+  auto parse_int = [](const char* s, int* out) {
+    char* end = nullptr;
+    const long v = std::strtol(s, &end, 10);
+    if (end == s || *end != '\0' || v < -1000000 || v > 1000000) return false;
+    *out = static_cast<int>(v);
+    return true;
+  };
+  for (int i = 1; i < argc; ++i) {
+    const char* a = argv[i];
+    int* dst = std::strcmp(a, "--tp") == 0 ? &L->tp : std::strcmp(a, "--dp") == 0 ? &L->dp
+                                                 : std::strcmp(a, "--dcp") == 0  ? &L->dcp
+                                                                                 : nullptr;
+    if (!dst || i + 1 >= argc || !parse_int(argv[i + 1], dst)) {
+      std::fprintf(stderr, "usage: %s --tp G --dp N --dcp D (bad argument '%s')\n", argv[0], a);
+      return false;
+    }
+    ++i;
+  }
+  return true;
+}
 
 inline std::vector<int> tp_members(const k3::Layout& L, int w) {
   std::vector<int> m;

@@ -19,31 +19,9 @@
 #include "comm/mpi.h"
 #include "comm_checks.h"
 
-namespace {
-
-bool parse_int(const char* s, int* out) {
-  char* end = nullptr;
-  const long v = std::strtol(s, &end, 10);
-  if (end == s || *end != '\0' || v < -1000000 || v > 1000000) return false;
-  *out = static_cast<int>(v);
-  return true;
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   k3::Layout L;
-  for (int i = 1; i < argc; ++i) {
-    const char* a = argv[i];
-    int* dst = std::strcmp(a, "--tp") == 0 ? &L.tp : std::strcmp(a, "--dp") == 0 ? &L.dp
-                                               : std::strcmp(a, "--dcp") == 0  ? &L.dcp
-                                                                               : nullptr;
-    if (!dst || i + 1 >= argc || !parse_int(argv[i + 1], dst)) {
-      std::fprintf(stderr, "usage: %s --tp G --dp N --dcp D (bad argument '%s')\n", argv[0], a);
-      return 2;
-    }
-    ++i;
-  }
+  if (!k3test::parse_layout_args(argc, argv, &L)) return 2;
 
   std::unique_ptr<k3::MpiRuntime> mpi;
   try {

@@ -29,14 +29,6 @@
 
 namespace {
 
-bool parse_int(const char* s, int* out) {
-  char* end = nullptr;
-  const long v = std::strtol(s, &end, 10);
-  if (end == s || *end != '\0' || v < -1000000 || v > 1000000) return false;
-  *out = static_cast<int>(v);
-  return true;
-}
-
 float value(int round, int w, int64_t i) { return static_cast<float>((round * 5 + w * 3 + i) % 11 - 5); }
 
 // Check 1: the world group's collectives in a CUDA graph, replayed.
@@ -94,17 +86,7 @@ void check_graph(k3test::Checker& ck, k3::RankGroups& g, cudaStream_t s) {
 
 int main(int argc, char** argv) {
   k3::Layout L;
-  for (int i = 1; i < argc; ++i) {
-    const char* a = argv[i];
-    int* dst = std::strcmp(a, "--tp") == 0 ? &L.tp : std::strcmp(a, "--dp") == 0 ? &L.dp
-                                               : std::strcmp(a, "--dcp") == 0  ? &L.dcp
-                                                                               : nullptr;
-    if (!dst || i + 1 >= argc || !parse_int(argv[i + 1], dst)) {
-      std::fprintf(stderr, "usage: %s --tp G --dp N --dcp D (bad argument '%s')\n", argv[0], a);
-      return 2;
-    }
-    ++i;
-  }
+  if (!k3test::parse_layout_args(argc, argv, &L)) return 2;
   std::unique_ptr<k3::MpiRuntime> mpi;
   try {
     mpi = std::make_unique<k3::MpiRuntime>(&argc, &argv);
