@@ -280,6 +280,62 @@ await assert.rejects(tiny.completions.create({ model: 'x', prompt: 'abc' }),
                      (e) => e instanceof OpenAI.APIError && e.status === 400 && /tokenizer/.test(e.message));
 ok(`${bads.length + 2} bad requests answered 4xx with an OpenAI error; the servers go on`);
 
+// --- fuzzed requests: valid ones with 1-3 fields replaced by values of every JSON type (seeded), and raw
+// bodies cut, nested or padded. Each answer is a 200 (JSON with choices, or an event stream ending in [DONE])
+// or a 4xx OpenAI error, never a 5xx or a dropped connection, and the servers stay healthy.
+{
+  let state = 0x9e3779b9;
+  const rand = (n) => {  // xorshift32: the same requests on every run
+    state ^= state << 13; state >>>= 0; state ^= state >>> 17; state ^= state << 5; state >>>= 0;
+    return state % n;
+  };
+  const pick = (a) => a[rand(a.length)];
+  const values = [null, true, false, 0, -1, 1, 2, 2.5, -0.5, 1e308, -1e308, 2 ** 31, 2 ** 53, '', 'x', '1', 'abc',
+                  [], [1], [-1], [1e9], [1, 'a'], [[1, 2]], [[]], ['a', 'b'], {}, { a: 1 }, { include_usage: true },
+                  'z'.repeat(5000), Array(300).fill(7)];
+  const completionFields = ['prompt', 'max_tokens', 'temperature', 'top_p', 'seed', 'stop', 'stream', 'logprobs',
+                            'n', 'ignore_eos', 'stream_options', 'model', 'unknown_field'];
+  const chatFields = ['messages', 'max_tokens', 'temperature', 'top_p', 'seed', 'stop', 'stream', 'n'];
+  const raws = ['', '{', '{"prompt": [1, 2]', 'null', '"text"', '[' .repeat(20000) + ']'.repeat(20000),
+                `{"prompt": [1, 2], "max_tokens": 1, "x": ${'['.repeat(5000)}${']'.repeat(5000)}}`,
+                '{"prompt": [1, 2], "max_tokens": 1}' + ' '.repeat(100000), '{"prompt": "\\ud800"}',
+                '{"prompt": [1, 2], "max_tokens": 1, "max_tokens": 2}', '\u0000\u0001\u0002'];
+  const N = Number(process.env.K3_FUZZ_REQUESTS || 200);
+  const counts = { ok: 0, refused: 0 };
+  for (let i = 0; i < N + raws.length; ++i) {
+    const chat = i < N && rand(4) === 0;
+    const url = chat ? smallUrl : tinyUrl;
+    const path = chat ? '/v1/chat/completions' : '/v1/completions';
+    let body;
+    if (i >= N) {
+      body = raws[i - N];
+    } else {
+      const req = chat ? { messages: [{ role: 'user', content: 'hi' }], max_tokens: 2 }
+                       : { prompt: [1, 2, 3], max_tokens: 2 };
+      for (let f = 1 + rand(3); f > 0; --f) req[pick(chat ? chatFields : completionFields)] = pick(values);
+      body = JSON.stringify(req);
+    }
+    const what = `fuzz ${i} ${path} ${body.length > 200 ? body.slice(0, 200) + '...' : body}`;
+    const r = await fetch(`${url}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
+    const text = await r.text();
+    if (r.status === 200) {
+      if ((r.headers.get('content-type') || '').startsWith('text/event-stream')) {
+        assert.ok(text.trimEnd().endsWith('data: [DONE]'), `${what}: stream without [DONE]`);
+      } else {
+        assert.ok(Array.isArray(JSON.parse(text).choices), `${what}: 200 without choices`);
+      }
+      counts.ok++;
+    } else {
+      assert.ok(r.status >= 400 && r.status < 500, `${what}: status ${r.status}`);
+      assert.equal(typeof JSON.parse(text).error.message, 'string', `${what}: no OpenAI error`);
+      counts.refused++;
+    }
+  }
+  for (const url of [smallUrl, tinyUrl]) assert.equal((await health(url)).http, 200, 'a server stopped answering');
+  assert.ok(counts.ok > 10 && counts.refused > 10, JSON.stringify(counts));
+  ok(`${N + raws.length} fuzzed requests: ${counts.ok} answered, ${counts.refused} refused with a 4xx; no 5xx`);
+}
+
 // --- the tiny model: ids in, ids out, equal generate's; drafting off here
 {
   const p = [[5, 6, 7], [9, 9, 9, 9, 9]];
