@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <ctime>
 #include <deque>
+#include <functional>
 #include <iostream>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -215,8 +216,41 @@ std::vector<int32_t> encode_text(const Server& s, const std::string& text, const
   return s.tok->encode(text);
 }
 
+// OpenAI (and vLLM) parameters this server does not implement: refused with a 400 when they would change the
+// answer (a client that sends a penalty expects it applied), accepted at their neutral values, which clients
+// often send as defaults.
+void refuse_unsupported(const json& body) {
+  const auto number_is = [](double neutral) {
+    return [neutral](const json& v) { return v.is_number() && v.get<double>() == neutral; };
+  };
+  struct Rule {
+    const char* name;
+    const char* neutral;
+    std::function<bool(const json&)> is_neutral;
+  };
+  const Rule rules[] = {
+      {"frequency_penalty", "0", number_is(0)},
+      {"presence_penalty", "0", number_is(0)},
+      {"repetition_penalty", "1", number_is(1)},
+      {"min_p", "0", number_is(0)},
+      {"best_of", "1", number_is(1)},
+      {"top_k", "-1 or 0", [](const json& v) { return v.is_number_integer() && v.get<int64_t>() <= 0; }},
+      {"logit_bias", "{}", [](const json& v) { return v.is_object() && v.empty(); }},
+      {"echo", "false", [](const json& v) { return v.is_boolean() && !v.get<bool>(); }},
+      {"suffix", "\"\"", [](const json& v) { return v.is_string() && v.get<std::string>().empty(); }},
+      {"tools", "[]", [](const json& v) { return v.is_array() && v.empty(); }},
+      {"response_format", "{\"type\": \"text\"}",
+       [](const json& v) { return v.is_object() && v.contains("type") && v["type"] == "text"; }},
+  };
+  for (const Rule& rule : rules)
+    if (const json* v = field(body, rule.name); v && !rule.is_neutral(*v))
+      bad(fmt::format("{} is not supported by this server (only its neutral value, {})", rule.name, rule.neutral),
+          rule.name, "unsupported_parameter");
+}
+
 // Common sampling fields of both endpoints.
 Request parse_common(const Server& s, const json& body, bool chat) {
+  refuse_unsupported(body);
   Request r;
   if (const json* m = field(body, "model"); m && !m->is_string()) bad("model must be a string", "model");
   const char* mt = chat && field(body, "max_completion_tokens") ? "max_completion_tokens" : "max_tokens";

@@ -264,6 +264,11 @@ const bads = [
    'include_usage of the wrong type'],
   [smallUrl, '/v1/chat/completions', '{"messages": "hi"}', 'messages of the wrong type'],
   [smallUrl, '/v1/chat/completions', '{"messages": [{"role": "wizard", "content": "x"}]}', 'unknown role'],
+  [tinyUrl, '/v1/completions', '{"prompt": [1, 2], "frequency_penalty": 0.5}', 'a penalty not implemented'],
+  [tinyUrl, '/v1/completions', '{"prompt": [1, 2], "logit_bias": {"5": 10}}', 'logit_bias not implemented'],
+  [tinyUrl, '/v1/completions', '{"prompt": [1, 2], "echo": true}', 'echo not implemented'],
+  [smallUrl, '/v1/chat/completions', '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+   'tools not implemented'],
   [tinyUrl, '/v1/completions', '{"prompt": "text without a tokenizer"}', 'text prompt without a tokenizer'],
   [tinyUrl, '/v1/chat/completions', '{"messages": [{"role": "user", "content": "x"}]}', 'chat without a template'],
 ];
@@ -278,7 +283,20 @@ await assert.rejects(small.completions.create({ model: 'x', prompt: 'abc', max_t
                      (e) => e instanceof OpenAI.APIError && e.status === 400);
 await assert.rejects(tiny.completions.create({ model: 'x', prompt: 'abc' }),
                      (e) => e instanceof OpenAI.APIError && e.status === 400 && /tokenizer/.test(e.message));
-ok(`${bads.length + 2} bad requests answered 4xx with an OpenAI error; the servers go on`);
+for (const [param, body] of [['frequency_penalty', '{"prompt": [1, 2], "frequency_penalty": 0.5}'],
+                             ['logit_bias', '{"prompt": [1, 2], "logit_bias": {"5": 10}}']]) {
+  const { status, j } = await raw(tinyUrl, '/v1/completions', body);
+  assert.equal(status, 400);
+  assert.equal(j.error.param, param);
+  assert.equal(j.error.code, 'unsupported_parameter');
+}
+{  // their neutral values, as clients send them by default, are accepted
+  const body = JSON.stringify({ prompt: [1, 2], max_tokens: 2, frequency_penalty: 0, presence_penalty: 0,
+                                logit_bias: {}, echo: false, best_of: 1, top_k: -1, user: 'u' });
+  const r = await fetch(`${tinyUrl}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
+  assert.equal(r.status, 200, await r.text());
+}
+ok(`${bads.length + 2} bad requests answered 4xx with an OpenAI error; the servers go on; unimplemented parameters refused, their neutral values accepted`);
 
 // --- fuzzed requests: valid ones with 1-3 fields replaced by values of every JSON type (seeded), and raw
 // bodies cut, nested or padded. Each answer is a 200 (JSON with choices, or an event stream ending in [DONE])
