@@ -8,6 +8,8 @@
 
 #include <cctype>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -19,6 +21,7 @@
 #include "config/model_config.h"
 #include "config/schema.h"
 #include "core/error.h"
+#include "core/rng.h"
 
 namespace {
 
@@ -452,3 +455,76 @@ TEST(ConfigRoundTrip, TinyIrregularConfig) {
 }
 
 }  // namespace
+
+// Seeded mutations of the K3 and K3.1 configs: a value anywhere in the tree (a key of an object, an element of
+// an array, at any depth) replaced by one of another type or out of range. Each parses, or fails with a
+// one-line k3::Error; no other exception, no crash (run under ASan in CI). A config that parses also gives a
+// layer plan and a parameter count, or a k3::Error.
+TEST(ConfigInvalid, MutatedConfigsParseOrFailCleanly) {
+  const json values[] = {nullptr, true, false, 0, -1, 1, 2, 7, 1 << 20, int64_t{1} << 40, -(int64_t{1} << 40),
+                         2.5, -0.5, 1e30, -1e30, "", "x", "3", json::array(), json::array({1, 2}),
+                         json::array({-1}), json::array({"a"}), json::object(), json::object({{"a", 1}})};
+  k3::Rng rng(77);
+  int parsed = 0, refused = 0;
+  for (const std::string& path : {kK3, kK31}) {
+    const json base = load(path);
+    for (int it = 0; it < 400; ++it) {
+      json j = base;
+      // The model reads text_config: start there (the top level holds a few keys it never reads).
+      json* at = j.contains("text_config") ? &j["text_config"] : &j;
+      std::string where = j.contains("text_config") ? "/text_config" : "";
+      // Walk down 1 to 5 levels at random, then replace what is there.
+      for (int depth = 1 + static_cast<int>(rng.below(5)); depth > 0 && (at->is_object() || at->is_array()) &&
+                                                           !at->empty();
+           --depth) {
+        if (at->is_object()) {
+          auto item = at->begin();
+          std::advance(item, static_cast<long>(rng.below(at->size())));
+          where += "/" + item.key();
+          at = &item.value();
+        } else {
+          const size_t i = rng.below(at->size());
+          where += "/" + std::to_string(i);
+          at = &(*at)[i];
+        }
+      }
+      *at = values[rng.below(std::size(values))];
+      SCOPED_TRACE(testing::Message() << path << " " << where << " = " << at->dump());
+      try {
+        const k3::ModelConfig c = k3::ModelConfig::from_json(j);
+        try {
+          (void)k3::LayerPlan::from(c);
+          (void)k3::parameter_count(c);
+        } catch (const k3::Error&) {
+        }
+        ++parsed;
+        if (std::getenv("K3_FUZZ_LOG")) std::fprintf(stderr, "parsed %s = %s\n", where.c_str(), at->dump().c_str());
+      } catch (const k3::Error& e) {
+        EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+        ++refused;
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "not a k3::Error: " << e.what();
+      }
+    }
+  }
+  EXPECT_GT(refused, 300);
+  EXPECT_GT(parsed, 20);  // values the model does not read (token ids, max_position_embeddings) still parse
+}
+
+// Values nlohmann would convert without a word are refused, the key named: a float or a bool where an integer
+// belongs, an integer past int, a number where a bool belongs, a non-finite or non-positive scale.
+TEST(ConfigInvalid, StrictTypesAndRanges) {
+  const json base = load(kK3);
+  const std::pair<const char*, json> cases[] = {
+      {"hidden_size", 2.5},           {"qk_rope_head_dim", true},   {"kv_lora_rank", int64_t{1} << 40},
+      {"moe_renormalize", 1},         {"rms_norm_eps", 0},          {"rms_norm_eps", -1e-6},
+      {"routed_scaling_factor", -1},  {"routed_scaling_factor", 1e39}, {"num_hidden_layers", "93"},
+  };
+  for (const auto& [key, value] : cases) {
+    json j = base;
+    ASSERT_TRUE(j["text_config"].contains(key)) << key;
+    j["text_config"][key] = value;
+    const std::string msg = error_of([&] { k3::ModelConfig::from_json(j); });
+    EXPECT_TRUE(mentions_key(msg, key)) << key << " = " << value.dump() << ": " << msg;
+  }
+}

@@ -4,6 +4,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -16,30 +20,59 @@ namespace {
 
 using json = nlohmann::json;
 
+// The value of key `key` (at `where`) as T, strictly: an int is a JSON integer in int's range (not a float, not
+// a bool), a float any JSON number, a bool a JSON bool, a list of ints an array of such ints. nlohmann's get<T>
+// would turn 2.5 into 2 and true into 1 without a word.
+template <typename T>
+T strict(const json& v, const char* key, const std::string& where) {
+  auto wrong = [&](const char* want) {
+    fail("config: key {}{} must be {}, got {} {}", where, key, want, v.type_name(), v.dump().substr(0, 40));
+  };
+  auto as_int = [&](const json& x) {
+    if (!x.is_number_integer()) wrong("an integer");
+    const int64_t i = x.get<int64_t>();
+    if (x.is_number_unsigned() && x.get<uint64_t>() > static_cast<uint64_t>(INT32_MAX)) wrong("an integer in int range");
+    if (i < INT32_MIN || i > INT32_MAX) wrong("an integer in int range");
+    return static_cast<int>(i);
+  };
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!v.is_boolean()) wrong("a boolean");
+    return v.get<bool>();
+  } else if constexpr (std::is_same_v<T, int>) {
+    return as_int(v);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!v.is_number() || !std::isfinite(v.get<double>()) || !std::isfinite(static_cast<double>(v.get<T>())))
+      wrong("a finite number");
+    return v.get<T>();
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    if (!v.is_string()) wrong("a string");
+    return v.get<std::string>();
+  } else {
+    static_assert(std::is_same_v<T, std::vector<int>>, "config: no strict reading of this type");
+    if (!v.is_array()) wrong("an array of integers");
+    std::vector<int> out;
+    for (const json& x : v) out.push_back(as_int(x));
+    return out;
+  }
+}
+
 // Reads a required key of `obj` (at `where`) as T; names the key on failure.
 template <typename T>
 T need(const json& obj, const char* key, const std::string& where) {
   auto it = obj.find(key);
   K3_CHECK(it != obj.end() && !it->is_null(), "config: missing key {}{}", where, key);
-  try {
-    return it->get<T>();
-  } catch (const json::exception&) {
-    fail("config: key {}{} has the wrong type ({})", where, key, it->type_name());
-  }
+  return strict<T>(*it, key, where);
 }
 
 template <typename T>
 T want(const json& obj, const char* key, const std::string& where, T fallback) {
   auto it = obj.find(key);
   if (it == obj.end() || it->is_null()) return fallback;
-  try {
-    return it->get<T>();
-  } catch (const json::exception&) {
-    fail("config: key {}{} has the wrong type ({})", where, key, it->type_name());
-  }
+  return strict<T>(*it, key, where);
 }
 
 void positive(int v, const std::string& key) { K3_CHECK(v > 0, "config: {} must be positive, got {}", key, v); }
+void positive(float v, const std::string& key) { K3_CHECK(v > 0, "config: {} must be positive, got {}", key, v); }
 
 std::vector<int> layer_list(const json& obj, const char* key, const std::string& where, int num_layers) {
   auto list = need<std::vector<int>>(obj, key, where);
@@ -74,6 +107,7 @@ ModelConfig ModelConfig::from_json(const json& root) {
   c.vocab_size = need<int>(t, "vocab_size", w);
   c.eos_token_id = want<int>(t, "eos_token_id", w, -1);
   c.rms_norm_eps = need<float>(t, "rms_norm_eps", w);
+  positive(c.rms_norm_eps, w + "rms_norm_eps");
   auto act = need<std::string>(t, "hidden_act", w);
   K3_CHECK(act == "situ", "config: {}hidden_act is \"{}\"; only \"situ\" is supported", w, act);
   c.situ_beta = need<float>(t, "activation_situ_beta", w);
@@ -135,6 +169,7 @@ ModelConfig ModelConfig::from_json(const json& root) {
   c.moe.latent_use_norm = need<bool>(t, "latent_moe_use_norm", w);
   c.moe.renormalize = need<bool>(t, "moe_renormalize", w);
   c.moe.routed_scaling_factor = need<float>(t, "routed_scaling_factor", w);
+  positive(c.moe.routed_scaling_factor, w + "routed_scaling_factor");
   c.moe.first_k_dense_replace = need<int>(t, "first_k_dense_replace", w);
   auto router = need<std::string>(t, "moe_router_activation_func", w);
   K3_CHECK(router == "sigmoid", "config: {}moe_router_activation_func \"{}\": only sigmoid is supported", w, router);
