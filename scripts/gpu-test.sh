@@ -46,22 +46,21 @@ if [ -x "$bin/k3_comm_nccl_test" ] && command -v mpirun >/dev/null; then
     "$bin/k3_comm_nccl_test" --tp 1 --dp 1 --dcp 1 2>&1 | tee "$out/comm_nccl.log" | tail -3
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
+# sanitize LOG TOOL FILTER: compute-sanitizer TOOL over the GPU tests FILTER selects; its summary line shown.
+sanitize() {
+  compute-sanitizer --tool "$2" --error-exitcode 3 "$bin/k3_gpu_tests" --gtest_filter="$3" >"$out/$1.log" 2>&1 ||
+    status=1
+  tail -1 "$out/$1.log"
+}
 if command -v compute-sanitizer >/dev/null; then
-  compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" --gtest_filter='*GpuRankVsCpu*' \
-    >"$out/memcheck.log" 2>&1 || status=1
-  tail -3 "$out/memcheck.log"
+  sanitize memcheck memcheck '*GpuRankVsCpu*'
   # The multi-rank step on one GPU (ranks as threads, local GPU comm): one layout with TP, DP and DCP.
-  compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" \
-    --gtest_filter='*GpuParallel.MatchesCpuSingleRank/tp2_dp2_dcp2' >"$out/memcheck_parallel.log" 2>&1 || status=1
-  tail -3 "$out/memcheck_parallel.log"
+  sanitize memcheck_parallel memcheck '*GpuParallel.MatchesCpuSingleRank/tp2_dp2_dcp2'
   # The decode kernels on small cases of their own: the split top-k (and its shared-memory races), wgmma MLA,
   # kda_prep, the split sampler.
-  compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/k3_gpu_tests" --gtest_filter='TopkSplitCuda.SmallRowsForTheSanitizer:K3/MlaAttendK3Cuda.*/3:Shapes/KdaPrepCuda.*/0:Shapes/KdaPrepCuda.*/1:CudaSampling.MatchesCpuOp' \
-    >"$out/memcheck_kernels.log" 2>&1 || status=1
-  tail -1 "$out/memcheck_kernels.log"
-  compute-sanitizer --tool racecheck --error-exitcode 3 "$bin/k3_gpu_tests" \
-    --gtest_filter='TopkSplitCuda.SmallRowsForTheSanitizer' >"$out/racecheck_topk.log" 2>&1 || status=1
-  tail -1 "$out/racecheck_topk.log"
+  sanitize memcheck_kernels memcheck \
+    'TopkSplitCuda.SmallRowsForTheSanitizer:K3/MlaAttendK3Cuda.*/3:Shapes/KdaPrepCuda.*/0:Shapes/KdaPrepCuda.*/1:CudaSampling.MatchesCpuOp'
+  sanitize racecheck_topk racecheck 'TopkSplitCuda.SmallRowsForTheSanitizer'
 fi
 # The main job on the GPU: generate on the tiny model, beside the CPU's tokens.
 for d in gpu cpu; do
