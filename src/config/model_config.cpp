@@ -20,6 +20,8 @@ namespace {
 
 using json = nlohmann::json;
 
+constexpr int64_t kMaxConfigInt = int64_t{1} << 24;
+
 // The value of key `key` (at `where`) as T, strictly: an int is a JSON integer in int's range (not a float, not
 // a bool), a float any JSON number, a bool a JSON bool, a list of ints an array of such ints. nlohmann's get<T>
 // would turn 2.5 into 2 and true into 1 without a word.
@@ -28,11 +30,13 @@ T strict(const json& v, const char* key, const std::string& where) {
   auto wrong = [&](const char* want) {
     fail("config: key {}{} must be {}, got {} {}", where, key, want, v.type_name(), v.dump().substr(0, 40));
   };
+  // Every integer of a config (sizes, counts, layer numbers, token ids) is far below 2^24; the bound keeps
+  // the sums and products the model forms of two of them inside their types.
   auto as_int = [&](const json& x) {
     if (!x.is_number_integer()) wrong("an integer");
+    if (x.is_number_unsigned() && x.get<uint64_t>() > uint64_t{kMaxConfigInt}) wrong("an integer of at most 2^24");
     const int64_t i = x.get<int64_t>();
-    if (x.is_number_unsigned() && x.get<uint64_t>() > static_cast<uint64_t>(INT32_MAX)) wrong("an integer in int range");
-    if (i < INT32_MIN || i > INT32_MAX) wrong("an integer in int range");
+    if (i < -kMaxConfigInt || i > kMaxConfigInt) wrong("an integer of at most 2^24");
     return static_cast<int>(i);
   };
   if constexpr (std::is_same_v<T, bool>) {

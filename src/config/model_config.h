@@ -60,7 +60,7 @@ struct MoeConfig {
   float routed_scaling_factor = 1.0f;
   int first_k_dense_replace = 1;
   int group_size = 32;             // MXFP4 block size
-  int shared_intermediate() const { return num_shared_experts * intermediate_size; }
+  int64_t shared_intermediate() const { return int64_t{num_shared_experts} * intermediate_size; }
 };
 
 struct ModelConfig {
