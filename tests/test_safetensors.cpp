@@ -22,6 +22,7 @@
 #include "core/tensor.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
+#include "fuzz_util.h"
 
 namespace {
 
@@ -75,6 +76,16 @@ k3::Tensor random_tensor(k3::DType dtype, k3::Shape shape, k3::Rng& rng) {
   auto* p = static_cast<unsigned char*>(t.data());
   for (size_t i = 0; i < t.nbytes(); ++i) p[i] = static_cast<unsigned char>(rng.next_u64() >> 56);
   return t;
+}
+
+// Reads every byte of v (a view into a mapped file: out of the mapping it faults, under ASan too). The sum
+// goes to a volatile, so the reads are not optimised away.
+void read_all(const k3::TensorView& v) {
+  static volatile uint64_t sink = 0;
+  const auto* bytes = static_cast<const unsigned char*>(v.data);
+  uint64_t sum = 0;
+  for (size_t i = 0; i < v.nbytes(); ++i) sum += bytes[i];
+  sink = sink + sum;
 }
 
 bool same_bytes(const k3::TensorView& a, const k3::TensorView& b) {
@@ -340,24 +351,13 @@ TEST_F(SafetensorsTest, MutatedFilesOpenOrFailCleanly) {
     const std::string path = file("mutated.safetensors");
     write_bytes(path, m);
     SCOPED_TRACE(testing::Message() << "iteration " << it << " kind " << kind);
-    try {
-      auto f = k3::SafetensorsFile::open(path);
-      uint64_t sum = 0;
-      for (const std::string& name : f->names()) {
-        const k3::TensorView v = f->get(name);
-        const auto* bytes = static_cast<const unsigned char*>(v.data);
-        for (size_t i = 0; i < v.nbytes(); ++i) sum += bytes[i];
-      }
-      (void)sum;
-      ++opened;
-    } catch (const k3::Error& e) {
-      const std::string msg = e.what();
-      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
-      EXPECT_NE(msg.find(path), std::string::npos) << msg;
-      ++refused;
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << "not a k3::Error: " << e.what();
-    }
+    const bool ok = k3::test::accepted_or_clean_error(
+        [&] {
+          auto f = k3::SafetensorsFile::open(path);
+          for (const std::string& name : f->names()) read_all(f->get(name));
+        },
+        path);
+    (ok ? opened : refused)++;
   }
   EXPECT_GT(refused, 100);
   EXPECT_GT(opened, 10);  // harmless mutations (whitespace, metadata strings) still open
@@ -692,22 +692,11 @@ TEST_F(CheckpointTest, MutatedIndexOpensOrFailsCleanly) {
     }
     write_bytes(index.string(), m);
     SCOPED_TRACE(testing::Message() << "iteration " << it);
-    try {
+    const bool ok = k3::test::accepted_or_clean_error([&] {
       auto ck = k3::Checkpoint::open(dir);
-      for (const std::string& name : ck->names()) {
-        const k3::TensorView v = ck->get(name);
-        const auto* bytes = static_cast<const unsigned char*>(v.data);
-        uint64_t sum = 0;
-        for (size_t i = 0; i < v.nbytes(); ++i) sum += bytes[i];
-        (void)sum;
-      }
-      ++opened;
-    } catch (const k3::Error& e) {
-      EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
-      ++refused;
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << "not a k3::Error: " << e.what();
-    }
+      for (const std::string& name : ck->names()) read_all(ck->get(name));
+    });
+    (ok ? opened : refused)++;
   }
   write_bytes(index.string(), raw);
   EXPECT_GT(refused, 100);
