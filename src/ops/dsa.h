@@ -4,8 +4,9 @@
 //   w(t)  = weights_proj x_t * Di^-0.5 * Hi^-0.5  [Hi] (FP32)
 //   score(t, s) = sum_h w_h(t) * relu(q_idx_h(t) . k_idx(s))        (FP32)
 //   top-k: the indices of the min(k, n) largest scores among the n candidates
-//          (positions <= t, the token's own key written first), ordered by score
-//          descending, ties to the lower index.
+//          (positions <= t, the token's own key written first), ties to the lower
+//          index, listed in ascending index order (the attention is a softmax over
+//          the set: it needs no score order).
 // The MLA attention then runs over the selected entries (ops/mla.h, mla_attend).
 #pragma once
 
@@ -21,7 +22,8 @@ namespace k3::ops {
 void dsa_index_scores(const float* q_idx, const float* w, const float* const* keys, int64_t n, int Hi, int Di,
                       float* scores);
 
-// Writes min(k, n) indices into idx; returns that count.
+// Writes the min(k, n) indices of the largest scores into idx, ascending (NaN ranks as -inf, -0 ties with +0,
+// ties go to the lower index); returns that count.
 int64_t topk_indices(const float* scores, int64_t n, int64_t k, int64_t* idx);
 
 }  // namespace k3::ops
