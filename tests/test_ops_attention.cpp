@@ -482,49 +482,73 @@ TEST(OpsDsa, IndexScoresMatchFloat64) {
   }
 }
 
-// Sort-based reference: stable sort by score descending keeps the lower index first among ties.
-std::vector<int64_t> ref_topk(const std::vector<float>& scores, int64_t k) {
-  std::vector<int64_t> idx(scores.size());
-  std::iota(idx.begin(), idx.end(), int64_t{0});
-  std::stable_sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) { return scores[a] > scores[b]; });
-  idx.resize(static_cast<size_t>(std::min<int64_t>(k, static_cast<int64_t>(scores.size()))));
+// Brute-force reference in float64: i is selected iff fewer than k candidates rank before it (a larger score,
+// or an equal one at a lower index; NaN as -inf, so -0 == +0 falls out of the comparison); listed by index.
+std::vector<int64_t> ref_topk(const std::vector<float>& scores, int64_t n, int64_t k) {
+  auto key = [&](int64_t i) {
+    const double s = scores[static_cast<size_t>(i)];
+    return std::isnan(s) ? -std::numeric_limits<double>::infinity() : s;
+  };
+  std::vector<int64_t> idx;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t before = 0;
+    for (int64_t j = 0; j < n; ++j) before += key(j) > key(i) || (key(j) == key(i) && j < i);
+    if (before < k) idx.push_back(i);
+  }
   return idx;
 }
 
-TEST(OpsDsa, TopkMatchesSortReference) {
+TEST(OpsDsa, TopkMatchesBruteForceReference) {
   uint64_t seed = 700;
-  for (int64_t n : {1, 5, 64, 300}) {
-    for (int kind = 0; kind < 3; ++kind) {
+  for (int64_t n : {0, 1, 5, 64, 300}) {
+    for (int kind = 0; kind < 4; ++kind) {
       Rng rng(seed++);
-      std::vector<float> scores(n);
-      for (auto& s : scores) {
-        if (kind == 0) s = static_cast<float>(rng.normal());                                  // distinct
-        if (kind == 1) s = static_cast<float>(static_cast<int>(rng.below(4))) - 1.5f;         // many ties
-        if (kind == 2) s = 0.75f;                                                             // all tied
+      std::vector<float> scores(static_cast<size_t>(std::max<int64_t>(n, 1)), 0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        float& s = scores[static_cast<size_t>(i)];
+        if (kind == 0) s = static_cast<float>(rng.normal());                           // distinct
+        if (kind == 1) s = static_cast<float>(static_cast<int>(rng.below(4))) - 1.5f;  // many ties
+        if (kind == 2) s = 0.75f;                                                      // all tied
+        if (kind == 3) {                                                               // specials
+          const uint64_t u = rng.below(7);
+          s = u == 0   ? std::numeric_limits<float>::quiet_NaN()
+              : u == 1 ? -INFINITY
+              : u == 2 ? INFINITY
+              : u == 3 ? -0.0f
+              : u == 4 ? 0.0f
+                       : static_cast<float>(rng.normal());
+        }
       }
       for (int64_t k : {int64_t{0}, int64_t{1}, int64_t{3}, n - 1, n, n + 5, int64_t{2048}}) {
         if (k < 0) continue;
         std::vector<int64_t> idx(static_cast<size_t>(std::max<int64_t>(k, 1)), -7);
         const int64_t cnt = k3::ops::topk_indices(scores.data(), n, k, idx.data());
-        auto ref = ref_topk(scores, k);
-        ASSERT_EQ(cnt, static_cast<int64_t>(ref.size())) << "n=" << n << " k=" << k;
-        for (int64_t i = 0; i < cnt; ++i) ASSERT_EQ(idx[i], ref[i]) << "n=" << n << " k=" << k << " i=" << i;
+        const auto ref = ref_topk(scores, n, k);
+        ASSERT_EQ(cnt, static_cast<int64_t>(ref.size())) << "n=" << n << " k=" << k << " kind=" << kind;
+        for (int64_t i = 0; i < cnt; ++i)
+          ASSERT_EQ(idx[i], ref[i]) << "n=" << n << " k=" << k << " kind=" << kind << " i=" << i;
+        for (size_t i = static_cast<size_t>(cnt); i < idx.size(); ++i) ASSERT_EQ(idx[i], -7) << "write past count";
       }
     }
   }
 }
 
-TEST(OpsDsa, TopkTiesGoToLowerIndex) {
+TEST(OpsDsa, TopkTiesGoToLowerIndexListedByIndex) {
   const std::vector<float> scores = {1.f, 3.f, 2.f, 3.f, 1.f, 2.f, 3.f};
   std::vector<int64_t> idx(7);
+  // The 4 best: the three 3s and the first 2 (index 2, not 5); by index.
   ASSERT_EQ(k3::ops::topk_indices(scores.data(), 7, 4, idx.data()), 4);
-  EXPECT_EQ(idx[0], 1);
-  EXPECT_EQ(idx[1], 3);
-  EXPECT_EQ(idx[2], 6);
-  EXPECT_EQ(idx[3], 2);
+  const int64_t want4[4] = {1, 2, 3, 6};
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(idx[i], want4[i]) << i;
   ASSERT_EQ(k3::ops::topk_indices(scores.data(), 7, 100, idx.data()), 7);
-  const int64_t want[7] = {1, 3, 6, 2, 5, 0, 4};
-  for (int i = 0; i < 7; ++i) EXPECT_EQ(idx[i], want[i]) << i;
+  for (int i = 0; i < 7; ++i) EXPECT_EQ(idx[i], i) << i;
+  // NaN below -inf's tie, -0 tied with +0 (the lower index wins).
+  const std::vector<float> specials = {-0.0f, std::numeric_limits<float>::quiet_NaN(), -INFINITY, 0.0f, -1.f};
+  ASSERT_EQ(k3::ops::topk_indices(specials.data(), 5, 1, idx.data()), 1);
+  EXPECT_EQ(idx[0], 0);
+  ASSERT_EQ(k3::ops::topk_indices(specials.data(), 5, 4, idx.data()), 4);
+  const int64_t want_s[4] = {0, 1, 3, 4};  // -0, +0, -1, then the lower of the NaN / -inf tie (index 1)
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(idx[i], want_s[i]) << i;
 }
 
 // Indexer + top-k + mla_attend over the selected entries vs a float64 reference that computes every

@@ -515,12 +515,13 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
       }
     }
   }
-  // 6. DSA top-k alone (top-2048 of each row's scores): the split kernel beside the one-CTA kernel it replaced.
-  // Floor: one read of the scores and the indices written. Rows of uniform random scores (one histogram pass
-  // and the gather), and rows of one repeated value (every pass, the tie broken on the index bits: the
-  // worst case). Scores under 50 MB stay in L2 across the 20 launches of a graph.
+  // 6. DSA top-k alone (top-2048 of each row's scores, in column order): the automatic choice, and the same
+  // kernel forced to one CTA per row (what the automatic rule weighs the split against). Floor: one read of
+  // the scores and the indices written. Rows of uniform random scores (one histogram pass and the gather),
+  // and rows of one repeated value (every pass, the tie broken on the index bits: the worst case). Scores
+  // under 50 MB stay in L2 across the 20 launches of a graph.
   if (want("dsa")) {
-    fmt::print("\nDSA top-k (k = 2048 of each row's scores, F32): split kernel vs one CTA per row\n");
+    fmt::print("\nDSA top-k (k = 2048 of each row's scores, F32): automatic split vs one CTA per row\n");
     const int topk = 2048;
     for (int64_t ctxlen : {int64_t{8192}, int64_t{65536}, int64_t{131072}})
       for (int rows : {1, 8, 64, 256})
@@ -539,12 +540,12 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
                                    cnt.get<int32_t>(), scratch.get(), scratch.bytes(), s));
           });
           const double us_one = time_us(s, [&] {
-            K3_OK(cu::topk_indices_one_cta(scores.get<float>(), ctxlen, d_n.get<int32_t>(), rows, topk,
-                                           sel.get<int32_t>(), cnt.get<int32_t>(), s));
+            K3_OK(cu::topk_indices(scores.get<float>(), ctxlen, d_n.get<int32_t>(), rows, topk, sel.get<int32_t>(),
+                                   cnt.get<int32_t>(), scratch.get(), scratch.bytes(), s, /*ctas_per_row=*/1));
           });
           const double bytes = double(n) * 4 + double(rows) * topk * 4;
           const double floor_us = bytes / bw * 1e6;
-          fmt::print("  ctx {:>6} rows {:>3}{}: split {:>7.1f} us, one-CTA {:>7.1f} us, floor {:>6.1f} us, {:>5.0f}%\n",
+          fmt::print("  ctx {:>6} rows {:>3}{}: auto {:>7.1f} us, one CTA/row {:>7.1f} us, floor {:>6.1f} us, {:>5.0f}%\n",
                      ctxlen, rows, ties ? " (ties)" : "       ", us, us_one, floor_us, 100 * floor_us / us);
           record("dsa_topk", fmt::format("ctx{} rows{}{}", ctxlen, rows, ties ? " ties" : ""), us, bytes,
                  {{"context", ctxlen}, {"rows", rows}, {"k", topk}, {"ties", ties != 0}, {"one_cta_us", us_one}});

@@ -28,7 +28,8 @@ int64_t topk_indices(const float* scores, int64_t n, int64_t k, int64_t* idx) {
   K3_CHECK(n >= 0 && k >= 0, "topk_indices: bad sizes n={} k={}", n, k);
   const int64_t m = std::min(k, n);
   if (m == 0) return 0;
-  // Key: score, NaN treated as -inf, so that (key descending, index ascending) is a strict total order.
+  // Key: score, NaN treated as -inf, so that (key descending, index ascending) is a strict total order and the
+  // m best are one set whatever the algorithm.
   auto key = [scores](int64_t i) {
     const float s = scores[i];
     return std::isnan(s) ? -INFINITY : s;
@@ -40,7 +41,10 @@ int64_t topk_indices(const float* scores, int64_t n, int64_t k, int64_t* idx) {
   };
   std::vector<int64_t> order(static_cast<size_t>(n));
   std::iota(order.begin(), order.end(), int64_t{0});
-  std::partial_sort(order.begin(), order.begin() + m, order.end(), before);
+  // The set first, then its order: by column (the attention over it is a softmax over a set; column order is
+  // what the GPU's compaction produces without a sort).
+  std::nth_element(order.begin(), order.begin() + (m - 1), order.end(), before);
+  std::sort(order.begin(), order.begin() + m);
   std::copy(order.begin(), order.begin() + m, idx);
   return m;
 }

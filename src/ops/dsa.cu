@@ -8,12 +8,7 @@
 //     all heads as M tiles), then relu, weighted by w_h and summed over the heads in FP32
 //     (in-thread, then over the 8 row groups of the warp with shuffles). Columns past the
 //     token's context get -inf.
-//   topk_indices_one_cta: one CTA of 1024 threads per row (the reference of the split topk_indices,
-//     dsa_topk.cu). A radix select (4 passes of 8 bits over
-//     order-preserving keys, NaN as -inf, -0 as +0) finds the k-th largest key; the keys
-//     above it and the lowest-index ties equal to it (a block scan in index order) are
-//     gathered as 64-bit (key, ~index) pairs and bitonic-sorted descending in shared
-//     memory, which is exactly (score desc, index asc) - the CPU's order.
+//   (the top-k, topk_indices: dsa_topk.cu)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -165,179 +160,6 @@ __global__ void __launch_bounds__(kIdxThreads) dsa_index_scores_kernel(const Ind
   }
 }
 
-// ---------------------------------------------------------------- top-k
-constexpr int kTopkThreads = 1024;
-constexpr int kTopkWarps = kTopkThreads / 32;
-constexpr int kTopkMax = 2048;
-constexpr int kHistUnroll = 8;  // loads in flight per thread in the histogram passes
-constexpr int kCollectPer = 4;  // consecutive elements per thread in the gather pass
-
-// Order-preserving key: a > b as floats (NaN as -inf, -0 as +0) <=> key(a) > key(b).
-__device__ __forceinline__ uint32_t float_key(float s) {
-  uint32_t u = __float_as_uint(s);
-  if (s != s) u = 0xff800000u;   // NaN ranks as -inf
-  if (u == 0x80000000u) u = 0u;  // -0 ties with +0
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-__device__ __forceinline__ unsigned long long pair_key(uint32_t key, int i) {
-  return (static_cast<unsigned long long>(key) << 32) | static_cast<uint32_t>(0xffffffffu - static_cast<uint32_t>(i));
-}
-
-__global__ void __launch_bounds__(kTopkThreads)
-    topk_kernel(const float* __restrict__ scores, int64_t ld, const int32_t* __restrict__ n_arr, int k,
-                int32_t* __restrict__ idx, int32_t* __restrict__ count) {
-  __shared__ unsigned long long buf[kTopkMax];
-  __shared__ unsigned hist[256];
-  __shared__ unsigned warp_cnt[kTopkWarps];
-  __shared__ int sh_digit, sh_need;
-  __shared__ unsigned sh_gt;
-
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t t = blockIdx.x;
-  const float* row = scores + t * ld;
-  const int n = static_cast<int>(max(static_cast<int64_t>(0), min(static_cast<int64_t>(n_arr[t]), ld)));
-  const int m = min(k, n);
-  int32_t* out = idx + t * k;
-  if (m == 0) {
-    for (int j = tid; j < k; j += kTopkThreads) out[j] = -1;
-    if (tid == 0) count[t] = 0;
-    return;
-  }
-
-  if (m == n) {  // every candidate is selected
-    for (int i = tid; i < n; i += kTopkThreads) buf[i] = pair_key(float_key(row[i]), i);
-  } else {
-    // Radix select: the m-th largest key `thr`, and how many keys equal to it are taken (need).
-    uint32_t prefix = 0u, mask = 0u;
-    int need = m;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = tid; i < 256; i += kTopkThreads) hist[i] = 0u;
-      __syncthreads();
-      for (int base = 0; base < n; base += kHistUnroll * kTopkThreads) {
-        float v[kHistUnroll];
-#pragma unroll
-        for (int u = 0; u < kHistUnroll; ++u) {
-          const int i = base + u * kTopkThreads + tid;
-          v[u] = i < n ? row[i] : 0.f;
-        }
-#pragma unroll
-        for (int u = 0; u < kHistUnroll; ++u) {
-          const int i = base + u * kTopkThreads + tid;
-          if (i < n) {
-            const uint32_t key = float_key(v[u]);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
-          }
-        }
-      }
-      __syncthreads();
-      if (warp == 0) {
-        // Lane L holds digits 255 - 8L down to 248 - 8L; the scan runs from the largest digit.
-        unsigned c[8], local = 0u;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          c[u] = hist[255 - 8 * lane - u];
-          local += c[u];
-        }
-        unsigned incl = local;
-#pragma unroll
-        for (int off = 1; off < 32; off <<= 1) {
-          const unsigned v = __shfl_up_sync(0xffffffffu, incl, off);
-          if (lane >= off) incl += v;
-        }
-        const unsigned excl = incl - local;
-        if (excl < static_cast<unsigned>(need) && static_cast<unsigned>(need) <= incl) {
-          unsigned run = excl;
-#pragma unroll
-          for (int u = 0; u < 8; ++u) {
-            if (run + c[u] >= static_cast<unsigned>(need)) {
-              sh_digit = 255 - 8 * lane - u;
-              sh_need = need - static_cast<int>(run);
-              break;
-            }
-            run += c[u];
-          }
-        }
-      }
-      __syncthreads();
-      prefix |= static_cast<uint32_t>(sh_digit) << shift;
-      mask |= 255u << shift;
-      need = sh_need;
-      __syncthreads();  // sh_digit / sh_need / hist are rewritten by the next pass
-    }
-    const uint32_t thr = prefix;
-    const int gt_total = m - need;  // keys > thr; then the `need` lowest-index keys == thr
-
-    // Gather in index order: chunks of kCollectPer consecutive elements per thread.
-    if (tid == 0) sh_gt = 0u;
-    __syncthreads();
-    int eq_base = 0;
-    for (int base = 0; base < n; base += kCollectPer * kTopkThreads) {
-      uint32_t keys[kCollectPer];
-      int eq_local = 0;
-#pragma unroll
-      for (int u = 0; u < kCollectPer; ++u) {
-        const int i = base + tid * kCollectPer + u;
-        keys[u] = i < n ? float_key(row[i]) : 0u;
-        if (i < n) {
-          if (keys[u] > thr) buf[atomicAdd(&sh_gt, 1u)] = pair_key(keys[u], i);
-          if (keys[u] == thr) ++eq_local;
-        }
-      }
-      // Exclusive prefix of eq_local over the block, in thread (= index) order.
-      unsigned incl = static_cast<unsigned>(eq_local);
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const unsigned v = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += v;
-      }
-      if (lane == 31) warp_cnt[warp] = incl;
-      __syncthreads();
-      unsigned before = 0u, total = 0u;
-      for (int w = 0; w < kTopkWarps; ++w) {
-        const unsigned cw = warp_cnt[w];
-        if (w < warp) before += cw;
-        total += cw;
-      }
-      int rank = eq_base + static_cast<int>(before + incl) - eq_local;
-#pragma unroll
-      for (int u = 0; u < kCollectPer; ++u) {
-        const int i = base + tid * kCollectPer + u;
-        if (i < n && keys[u] == thr) {
-          if (rank < need) buf[gt_total + rank] = pair_key(keys[u], i);
-          ++rank;
-        }
-      }
-      eq_base += static_cast<int>(total);
-      __syncthreads();  // warp_cnt is rewritten by the next chunk
-    }
-  }
-
-  // Bitonic sort of buf[0, P2) descending (padding 0 sorts last: every real pair key is > 0).
-  int P2 = 1;
-  while (P2 < m) P2 <<= 1;
-  for (int i = m + tid; i < P2; i += kTopkThreads) buf[i] = 0ull;
-  __syncthreads();
-  for (int k2 = 2; k2 <= P2; k2 <<= 1) {
-    for (int j = k2 >> 1; j > 0; j >>= 1) {
-      for (int i = tid; i < P2; i += kTopkThreads) {
-        const int ixj = i ^ j;
-        if (ixj > i) {
-          const unsigned long long a = buf[i], c = buf[ixj];
-          const bool desc = (i & k2) == 0;
-          if (desc ? (a < c) : (a > c)) {
-            buf[i] = c;
-            buf[ixj] = a;
-          }
-        }
-      }
-      __syncthreads();
-    }
-  }
-  for (int j = tid; j < k; j += kTopkThreads)
-    out[j] = j < m ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(buf[j] & 0xffffffffull)) : -1;
-  if (tid == 0) count[t] = m;
-}
-
 }  // namespace
 
 int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_pool, const int32_t* block_tables,
@@ -376,14 +198,6 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
   p.chunk = kKT * static_cast<int>(std::clamp<int64_t>((tiles + want_ctas - 1) / want_ctas, 1, kIdxMaxChunkTiles));
   const dim3 grid(static_cast<unsigned>((max_ctx + p.chunk - 1) / p.chunk), static_cast<unsigned>(T));
   dsa_index_scores_kernel<<<grid, kIdxThreads, smem, stream>>>(p);
-  return cudaGetLastError();
-}
-
-int topk_indices_one_cta(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx,
-                         int32_t* count, CUstream_st* stream) {
-  if (T < 0 || ld < 0 || k < 0 || k > kTopkMax || T > 0x7fffffffLL) return cudaErrorInvalidValue;
-  if (T == 0) return cudaSuccess;
-  topk_kernel<<<static_cast<unsigned>(T), kTopkThreads, 0, stream>>>(scores, ld, n, k, idx, count);
   return cudaGetLastError();
 }
 

@@ -4,8 +4,9 @@
 //   w(t)  = weights_proj x_t * Di^-0.5 * Hi^-0.5  [Hi] (FP32)
 //   score(t, s) = sum_h w_h(t) * relu(q_idx_h(t) . k_idx(s))        (FP32)
 //   top-k: the indices of the min(k, n) largest scores among the n candidates
-//          (positions <= t, the token's own key written first), ordered by score
-//          descending, ties to the lower index.
+//          (positions <= t, the token's own key written first), ties to the lower
+//          index, listed in ascending index order (the attention is a softmax over
+//          the set: it needs no score order).
 // The MLA attention then runs over the selected entries (ops/mla.h, mla_attend).
 #pragma once
 
@@ -21,7 +22,8 @@ namespace k3::ops {
 void dsa_index_scores(const float* q_idx, const float* w, const float* const* keys, int64_t n, int Hi, int Di,
                       float* scores);
 
-// Writes min(k, n) indices into idx; returns that count.
+// Writes the min(k, n) indices of the largest scores into idx, ascending (NaN ranks as -inf, -0 ties with +0,
+// ties go to the lower index); returns that count.
 int64_t topk_indices(const float* scores, int64_t n, int64_t k, int64_t* idx);
 
 }  // namespace k3::ops
@@ -39,16 +41,16 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
                            int Di, float* scores, CUstream_st* stream);
 
 // Row t of scores F32 [T, ld] has n[t] candidates (columns [0, n[t]), n[t] <= ld): idx int32 [T, k] receives the
-// min(k, n[t]) columns of the largest scores, by score descending, ties to the lower column, NaN ranked as -inf
-// and -0 as +0 (the CPU topk_indices); the rest of the row is -1. count int32 [T] = min(k, n[t]). k <= 2048,
-// ld < 2^31.
+// min(k, n[t]) columns of the largest scores, ties to the lower column, NaN ranked as -inf and -0 as +0, in
+// ASCENDING COLUMN ORDER (the CPU topk_indices, exactly); the rest of the row is -1. count int32 [T] =
+// min(k, n[t]). k <= 2048, ld < 2^31.
 //
-// Auto (ctas_per_row 0) takes topk_indices_one_cta unless the rows are long and few (ld >= 16384 T, or ld <= 4096),
-// where it is slower. Otherwise each row is split over several CTAs (dsa_topk.cu): ctas_per_row 0 chooses the split from T, ld and the
-// device's SM count (about two CTAs per SM over all rows, at least 2048 columns each; one CTA per row from
-// ~2 SMs rows on); > 0 forces that many (at least 4 columns each), for the tests. The result does not depend
-// on the split. Up to 6 kernels in stream order (1 when ld <= 4096), no allocation, no host synchronization:
-// capturable in a CUDA graph.
+// One kernel family (dsa_topk.cu): a radix select to the exact threshold, then an ordered compaction (no
+// sort). ctas_per_row 0 chooses: one CTA per row (a single launch) for rows of at most 16384 columns or at
+// least one row per SM; otherwise each row is split over several CTAs (about two CTAs per SM over all rows,
+// at least 2048 columns each); > 0 forces that many (at least 4 columns each, at most 512), for the tests.
+// The result does not depend on the split. Split rows take up to 6 kernels in stream order (1 when
+// ld <= 4096), one CTA per row 1; no allocation, no host synchronization: capturable in a CUDA graph.
 //
 // scratch: topk_indices_scratch_bytes(T) bytes or more, 16-byte aligned, ZEROED ONCE before its first use
 // (cudaMemset); every call leaves its counters and histograms back at zero, so it needs no clearing between
@@ -56,10 +58,5 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
 size_t topk_indices_scratch_bytes(int64_t max_rows);
 int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx, int32_t* count,
                  void* scratch, size_t scratch_bytes, CUstream_st* stream, int64_t ctas_per_row = 0);
-
-// One CTA of 1024 threads per row (5 passes over the row): the same contract without a scratch; what auto
-// takes on short or many rows, and the reference the split kernel is tested against.
-int topk_indices_one_cta(const float* scores, int64_t ld, const int32_t* n, int64_t T, int k, int32_t* idx,
-                         int32_t* count, CUstream_st* stream);
 
 }  // namespace k3::ops::cuda

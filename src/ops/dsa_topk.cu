@@ -1,38 +1,43 @@
-// CUDA topk_indices (ops/dsa.h): the DSA top-k with each row's scores split over several CTAs.
+// CUDA topk_indices (ops/dsa.h): the DSA top-k, each row's scores on one CTA or split over several.
 //
 // The order: every candidate i of a row becomes the 64-bit pair (key(s_i) << 32) | (2^32 - 1 - i), key the
 // order-preserving bits of the score (NaN as -inf, -0 as +0). Pairs are distinct, and pair order is exactly
-// the CPU's (score descending, ties to the lower index), so the answer is the m = min(k, n) largest pairs,
-// sorted descending. Everything below selects and sorts pairs: the result is a function of the row alone,
-// never of the split or of the order in which CTAs run.
+// the CPU's (score descending, ties to the lower index), so the answer is the set of the m = min(k, n)
+// largest pairs, which is the set of pairs >= T for T the m-th largest. It is written in column order: no
+// sort anywhere. The result is a function of the row alone, never of the split or of the order in which
+// CTAs run.
 //
 // Radix select over the pair's bits, top down, passes of (pair bit, width): key bits 20..31 (52, 12), 10..19
 // (42, 10), 0..9 (32, 10), then the index bits that can differ, 12 at a time (only rows whose threshold is an
 // exact tie of more than ~2048 scores get there). A pass histograms the candidates (pair bits above the pass
 // equal to the row's prefix) and picks the bin where the count from the top reaches `need`. As soon as the
 // pairs at or above the prefix number at most kCap = 4096 (the chosen bin, plus fewer than k above it), the
-// row gathers them, and one CTA sorts them (bitonic, 8 pairs per thread: registers, shuffles, then shared
-// memory for the strides across warps) and writes the first m. Rows with n <= kCap gather at once (no
-// histogram); common rows at 64k take one histogram pass and the gather (two reads of the row).
+// row gathers them IN COLUMN ORDER: each CTA compacts its chunk's (each thread flags 8 consecutive columns,
+// a block scan of the counts places them), and the row's segments are laid end to end in CTA order. One CTA then finishes the
+// row in shared memory: 8-bit radix passes over the gathered pairs find T exactly (stopping as soon as a
+// chosen bin is taken whole: T is then the lowest pair of that bin), and an ordered compaction (a block scan
+// of the flags pair >= T) writes the columns. Rows with n <= kCap gather at once (no histogram); common rows
+// at 64k take one histogram pass and the gather (two reads of the row), and two or three shared passes.
 //
-// Layout: row r on CTAs r S .. r S + S - 1, CTA j over columns [j chunk, (j + 1) chunk) (S from the rows and
-// the SM count: ~2 CTAs per SM in all, chunks of >= 2048 columns; one CTA per row from ~2 SMs rows on). Each
-// phase is one launch of the same kernel over the whole grid; a row's state in scratch says what its CTAs do
-// in that launch: a histogram pass, the gather, or nothing (done). Within a launch the CTAs of a row hand off
-// through a last-arrives counter (no CTA ever waits for another): each adds its shared histogram into the
-// row's global one (integer counts: the sum does not depend on the order) or appends its gathered pairs to
-// the row's buffer (an atomic offset: the order in the buffer is arbitrary, the sort makes it irrelevant),
-// __threadfence, atomicAdd on the counter; the CTA that arrives last resets the counter, reads the global
-// histogram (zeroing it) and writes the next state, or reads the buffer (resetting its fill), sorts, writes
-// the row's indices and count. S = 1 skips the global histogram and buffer. The launcher enqueues the first
-// launch and, when ld > kCap, one launch per later pass plus the gather (the worst case); a launch finding
-// its row done exits at once.
+// One CTA per row (S = 1): one launch runs every pass and the gather in a loop. Split rows (S > 1): row r
+// on CTAs r S .. r S + S - 1, CTA j over columns [j chunk, (j + 1) chunk). Each phase is one launch of the
+// same kernel over the whole grid; a row's state in scratch says what its CTAs do in that launch: a
+// histogram pass, the gather, or nothing (done). Within a launch the CTAs of a row hand off through a
+// last-arrives counter (no CTA ever waits for another): each adds its shared histogram into the row's
+// global one (integer counts: the sum does not depend on the order) or appends its gathered segment to the
+// row's buffer (an atomic offset) and records (offset, count) in its slot, __threadfence, atomicAdd on the
+// counter; the CTA that arrives last resets the counter, reads the global histogram (zeroing it) and writes
+// the next state, or reads the segments in CTA order (the records' scan says where each lands), resets the
+// fill and finishes the row. The launcher enqueues the first launch and, for split rows, one launch per
+// later pass plus the gather (the worst case); a launch finding its row done exits at once.
 //
 // Scratch (topk_indices_scratch_bytes): a block of kRowBytes per row: arrival counter, buffer fill, the
-// row's state, histogram [4096] u32, buffer [kCap] u64. Counter, fill and histogram must be zero before a
-// call (zeroed once by the caller) and are zero again after every call; state and buffer need no reset.
+// row's state, histogram [4096] u32, buffer [kCap] u64, segment records [kMaxSplit] x (offset, count) u32.
+// Counter, fill and histogram must be zero before a call (zeroed once by the caller) and are zero again
+// after every call; state, buffer and records need no reset (every CTA of a gather writes its record).
 //
-// ptxas (sm_90a, -Xptxas -v): topk_split_kernel 57 registers, 32856 bytes shared (static), no stack, no spills.
+// ptxas (sm_90a, -Xptxas -v): topk_split_kernel 64 registers (the cap of 2 CTAs of 512 per SM), 4 bytes
+// spilled, 38008 bytes shared (static).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -49,14 +54,22 @@ using detail::kWarp;
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / kWarp;
 constexpr int kMaxK = 2048;
-constexpr int kCap = 4096;             // pairs a row gathers at most, sorted by one CTA
-constexpr int kPer = kCap / kThreads;  // pairs per thread in the sort
+constexpr int kCap = 4096;             // pairs a row gathers at most, finished by one CTA
+constexpr int kPer = kCap / kThreads;  // gathered pairs per thread in the finish
 constexpr int kMaxBins = 4096;         // the widest pass: 12 bits
 constexpr int kUnroll = 4;             // float4 loads (or 4 scalar loads) in flight per thread
+constexpr int kContig = 8;             // consecutive columns per thread in the ordered gather
+constexpr int kDigit = 8;              // bits per radix pass of the finish, in shared memory
+constexpr int kMaxSplit = kThreads;    // CTAs per row at most (the finish scans one record per thread)
 constexpr int64_t kMinChunk = 2048;    // columns per CTA at least (auto split)
-constexpr int64_t kSplitColumnsPerRow = 16384;  // auto: the split only when ld >= this many columns per row
+// Auto: rows of at most this many columns, or at least one row per SM, take one CTA per row. A split row
+// pays a fixed count of launches (one per possible pass, most of them finding the row done); one CTA pays
+// two reads of its row at one CTA's bandwidth, which only long rows make larger, and when the rows alone
+// cover the SMs the split has nothing to spread.
+constexpr int64_t kSplitColumnsPerRow = 16384;
 constexpr int kMaxPasses = 8;          // 3 key passes + at most 2 index passes (ld < 2^31)
-static_assert(kPer == 8, "the sort's register / shuffle / shared stages assume 8 pairs per thread");
+static_assert(kPer * kThreads == kCap, "the finish holds kCap pairs, kPer per thread");
+static_assert(kContig <= 32, "a thread's gather flags fit one 32-bit mask");
 static_assert(kMaxK <= kCap / 2 + 1, "a gathered bin plus the pairs above it must fit kCap");
 
 enum Stage : int { kHist = 0, kGather = 1, kDone = 2 };
@@ -68,12 +81,14 @@ struct RowState {
   int stage, pass, gt, need;
 };
 
-// A row's block: [counter u32 | fill u32 | state] [histogram u32 x 4096] [buffer u64 x kCap].
+// A row's block: [counter u32 | fill u32 | state] [histogram u32 x 4096] [buffer u64 x kCap]
+// [record offsets u32 x kMaxSplit] [record counts u32 x kMaxSplit].
 constexpr size_t kFillOff = 4;
 constexpr size_t kStateOff = 16;
 constexpr size_t kHistOff = 256;
 constexpr size_t kBufOff = kHistOff + kMaxBins * sizeof(unsigned);
-constexpr size_t kRowBytes = kBufOff + kCap * sizeof(unsigned long long);
+constexpr size_t kRecOff = kBufOff + kCap * sizeof(unsigned long long);
+constexpr size_t kRowBytes = kRecOff + 2 * kMaxSplit * sizeof(unsigned);
 static_assert(kStateOff + sizeof(RowState) <= kHistOff, "RowState outgrew its slot");
 static_assert(kRowBytes % 256 == 0, "row blocks keep 256-byte alignment");
 
@@ -98,8 +113,11 @@ struct Smem {
     unsigned hist[kMaxBins];
     unsigned long long buf[kCap];
   } u;
+  unsigned digit[1 << kDigit];
+  unsigned dest[kMaxSplit], rbase[kMaxSplit];  // the finish of a split row: where each CTA's segment lands / lies
   unsigned scan[kWarps];
-  unsigned fill, base, sel_bin, sel_above, sel_count;
+  RowState next;  // the state a histogram pass chose (one CTA per row: the next pass reads it)
+  unsigned base, sel_bin, sel_above, sel_count;
   int last;
 };
 
@@ -131,6 +149,9 @@ __device__ __forceinline__ unsigned* hist_of(const Params& p, int64_t r) {
 }
 __device__ __forceinline__ unsigned long long* buf_of(const Params& p, int64_t r) {
   return reinterpret_cast<unsigned long long*>(row_block(p, r) + kBufOff);
+}
+__device__ __forceinline__ unsigned* rec_of(const Params& p, int64_t r) {
+  return reinterpret_cast<unsigned*>(row_block(p, r) + kRecOff);
 }
 
 // The state an earlier launch's last CTA wrote (through L2).
@@ -246,7 +267,8 @@ __device__ __forceinline__ bool arrive(const Params& p, int64_t r, Smem& sh) {
   return last;
 }
 
-// One histogram pass of the row over this CTA's columns; the last CTA picks the bin and writes the state.
+// One histogram pass of the row over this CTA's columns; the last CTA (every CTA of an unsplit row) picks
+// the bin and leaves the next state in sh.next (and, split, in the row's scratch).
 __device__ void hist_pass(const Params& p, int64_t r, const float* __restrict__ row, int64_t lo, int64_t end,
                           const RowState& st, Smem& sh) {
   const int ps = st.pass, shift = p.shift[ps];
@@ -312,125 +334,172 @@ __device__ void hist_pass(const Params& p, int64_t r, const float* __restrict__ 
       o.stage = kHist;
       o.pass = ps + 1;
     }
-    *state_of(p, r) = o;
+    sh.next = o;
+    if (p.S > 1) *state_of(p, r) = o;
   }
+  __syncthreads();
 }
 
-// Compare-exchange of pairs e and e | J of this thread's 8 (positions base + e), for the stage (k2, J).
-template <int J>
-__device__ __forceinline__ void reg_stage(unsigned long long (&v)[kPer], unsigned base, unsigned k2) {
+// This CTA's candidates of columns [lo, end) (pairs with (pair & mask) >= prefix) into sh.u.buf, in column
+// order (thread t takes 8 consecutive columns a step; a block scan of the counts places them); returns
+// their count (<= kCap: the row's candidates are at most kCap). Every thread calls it; ends with a barrier.
+__device__ unsigned collect(const float* __restrict__ row, int64_t lo, int64_t end, bool vec, const RowState& st,
+                            Smem& sh) {
+  const int64_t first = lo + int64_t{kContig} * threadIdx.x;
+  unsigned fill = 0u;
+  for (int64_t base = lo; base < end; base += int64_t{kContig} * kThreads) {
+    const int64_t i0 = base - lo + first;
+    float v[kContig];
+    if (vec) {  // lo and i0 are multiples of 4, and ld % 4 == 0: a float4 at i0 < end stays in the row
+      const float4* row4 = reinterpret_cast<const float4*>(row);
+#pragma unroll
+      for (int u = 0; u < kContig / 4; ++u) {
+        const int64_t i = i0 + 4 * u;
+        const float4 x = i < end ? __ldg(row4 + i / 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        v[4 * u] = x.x;
+        v[4 * u + 1] = x.y;
+        v[4 * u + 2] = x.z;
+        v[4 * u + 3] = x.w;
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < kContig; ++e) v[e] = i0 + e < end ? __ldg(row + i0 + e) : 0.f;
+    }
+    unsigned flags = 0u;
+#pragma unroll
+    for (int e = 0; e < kContig; ++e) {
+      const bool take = i0 + e < end && (pair_of(float_key(v[e]), i0 + e) & st.mask) >= st.prefix;
+      flags |= static_cast<unsigned>(take) << e;
+    }
+    unsigned total;
+    unsigned at = fill + block_excl_scan(static_cast<unsigned>(__popc(flags)), sh, total);
+#pragma unroll
+    for (int e = 0; e < kContig; ++e) {
+      if ((flags >> e) & 1u) {
+        if (at < static_cast<unsigned>(kCap)) sh.u.buf[at] = pair_of(float_key(v[e]), i0 + e);
+        ++at;
+      }
+    }
+    fill += total;
+  }
+  __syncthreads();
+  return min(fill, static_cast<unsigned>(kCap));
+}
+
+// The row's gathered pairs, sh.u.buf [0, total) in column order, hold its m best: those > prefix under mask
+// (all in) and need more of those equal to it. Radix passes of 8 bits find T, the m-th largest pair; the
+// pairs >= T are written in column order, then -1 to k, the count, and (split) the state done.
+__device__ void finish(const Params& p, int64_t r, unsigned total, const RowState& st, int m, Smem& sh) {
+  const unsigned base = threadIdx.x * kPer;
+  unsigned long long v[kPer];
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) v[e] = base + e < total ? sh.u.buf[base + e] : 0ull;
+  unsigned long long thr = ~0ull;  // m == 0: nothing is taken (no pair reaches ~0: NaN keys are -inf's)
+  if (m > 0) {
+    unsigned long long prefix = st.prefix, mask = st.mask;
+    unsigned need = static_cast<unsigned>(st.need);
+    constexpr unsigned kBins = 1u << kDigit;
+    for (int shift = 64 - kDigit; shift >= 0; shift -= kDigit) {
+      if (((mask >> shift) & (kBins - 1u)) == kBins - 1u) continue;  // bits the histogram passes fixed
+      if (threadIdx.x < kBins) sh.digit[threadIdx.x] = 0u;
+      __syncthreads();
+#pragma unroll
+      for (int e = 0; e < kPer; ++e)
+        if (base + e < total && (v[e] & mask) == prefix)
+          atomicAdd(&sh.digit[static_cast<unsigned>(v[e] >> shift) & (kBins - 1u)], 1u);
+      __syncthreads();
+      // Thread t holds bin kBins - 1 - t: the scan counts from the top.
+      const unsigned c = threadIdx.x < kBins ? sh.digit[kBins - 1u - threadIdx.x] : 0u;
+      unsigned all;
+      const unsigned excl = block_excl_scan(c, sh, all);
+      if (excl < need && need <= excl + c) {
+        sh.sel_bin = kBins - 1u - threadIdx.x;
+        sh.sel_above = excl;
+        sh.sel_count = c;
+      }
+      __syncthreads();
+      prefix |= static_cast<unsigned long long>(sh.sel_bin) << shift;
+      mask |= static_cast<unsigned long long>(kBins - 1u) << shift;
+      need -= sh.sel_above;
+      const bool whole = sh.sel_count == need;
+      __syncthreads();  // sel_* read by every thread before a next pass writes them
+      // Taken whole: every pair with the prefix is in. T = the prefix (its bits below the pass are zero, or
+      // the column gap's ones, which every pair has): the bin's lowest possible pair.
+      if (whole) break;
+    }
+    thr = prefix;  // after the last pass the prefix fixes every bit: the one pair left
+  }
+  unsigned flags = 0u;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) flags |= static_cast<unsigned>(base + e < total && v[e] >= thr) << e;
+  unsigned taken;
+  unsigned at = block_excl_scan(static_cast<unsigned>(__popc(flags)), sh, taken);
+  int32_t* out = p.idx + r * p.k;
 #pragma unroll
   for (int e = 0; e < kPer; ++e) {
-    if ((e & J) == 0) {
-      const bool desc = ((base + e) & k2) == 0u;
-      const unsigned long long a = v[e], b = v[e | J];
-      if (desc ? a < b : a > b) {
-        v[e] = b;
-        v[e | J] = a;
-      }
+    if ((flags >> e) & 1u) {
+      if (at < static_cast<unsigned>(m)) out[at] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(v[e]));
+      ++at;
     }
+  }
+  for (int j = m + static_cast<int>(threadIdx.x); j < p.k; j += kThreads) out[j] = -1;
+  if (threadIdx.x == 0) {
+    p.count[r] = m;
+    if (p.S > 1) state_of(p, r)->stage = kDone;
   }
 }
 
-// What position i keeps of itself and its partner i ^ j in the stage (k2, j): the larger when it is the lower
-// of the two in a descending run (or the higher in an ascending one).
-__device__ __forceinline__ unsigned long long keep(unsigned long long mine, unsigned long long other, unsigned i,
-                                                   unsigned j, unsigned k2) {
-  const bool lower = (i & j) == 0u, desc = (i & k2) == 0u;
-  return lower == desc ? (mine > other ? mine : other) : (mine < other ? mine : other);
-}
-
-// Bitonic sort, descending, of positions [0, P2) (P2 a power of 2 <= kCap) held 8 per thread (thread t:
-// positions 8t .. 8t+7). Strides under 8 in registers, under 256 by shuffles within the warp, the rest
-// through shared memory (sh.u.buf). Every thread calls it.
-__device__ void bitonic_sort(unsigned long long (&v)[kPer], unsigned P2, Smem& sh) {
-  const unsigned base = threadIdx.x * kPer;
-  for (unsigned k2 = 2; k2 <= P2; k2 <<= 1) {
-    for (unsigned j = k2 >> 1; j > 0; j >>= 1) {
-      if (j >= static_cast<unsigned>(kPer * kWarp)) {
-        __syncthreads();  // the previous readers of buf are done
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) sh.u.buf[base + e] = v[e];
-        __syncthreads();
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) v[e] = keep(v[e], sh.u.buf[(base + e) ^ j], base + e, j, k2);
-      } else if (j >= static_cast<unsigned>(kPer)) {
-#pragma unroll
-        for (int e = 0; e < kPer; ++e) {
-          const unsigned long long o = __shfl_xor_sync(0xffffffffu, v[e], static_cast<int>(j / kPer));
-          v[e] = keep(v[e], o, base + e, j, k2);
-        }
-      } else if (j == 4) {
-        reg_stage<4>(v, base, k2);
-      } else if (j == 2) {
-        reg_stage<2>(v, base, k2);
-      } else {
-        reg_stage<1>(v, base, k2);
-      }
-    }
-  }
-}
-
-// The gather: this CTA's pairs with (pair & mask) >= prefix into shared memory (and, S > 1, the row's
-// buffer); the last CTA sorts the row's and writes its indices, count and state (done).
+// The gather: this CTA's candidates in column order; split, its segment into the row's buffer and its record,
+// and the last CTA lays the segments end to end in CTA order (= column order) before the finish.
 __device__ void gather(const Params& p, int64_t r, const float* __restrict__ row, int64_t lo, int64_t end,
                        const RowState& st, int m, Smem& sh) {
-  if (threadIdx.x == 0) sh.fill = 0u;
-  __syncthreads();
-  if (m > 0) {
-    const int lane = threadIdx.x % kWarp;
-    visit(row, lo, end, p.vec != 0, [&](int64_t i, uint32_t key, bool valid) {
-      const unsigned long long pair = pair_of(key, i);
-      const bool take = valid && (pair & st.mask) >= st.prefix;
-      const unsigned act = __ballot_sync(0xffffffffu, take);
-      if (act != 0u) {
-        const int leader = __ffs(act) - 1;
-        unsigned at = 0u;
-        if (lane == leader) at = atomicAdd(&sh.fill, static_cast<unsigned>(__popc(act)));
-        at = __shfl_sync(0xffffffffu, at, leader) + static_cast<unsigned>(__popc(act & ((1u << lane) - 1u)));
-        if (take && at < static_cast<unsigned>(kCap)) sh.u.buf[at] = pair;
-      }
-    });
-  }
-  __syncthreads();
-  unsigned total = min(sh.fill, static_cast<unsigned>(kCap));
+  unsigned total = m > 0 ? collect(row, lo, end, p.vec != 0, st, sh) : 0u;
   if (p.S > 1) {
+    const int j = static_cast<int>(blockIdx.x % p.S);
     unsigned* gfill = fill_of(p, r);
+    unsigned* rec = rec_of(p, r);
     unsigned long long* gbuf = buf_of(p, r);
-    if (threadIdx.x == 0) sh.base = total ? atomicAdd(gfill, total) : 0u;
+    if (threadIdx.x == 0) {
+      sh.base = total ? atomicAdd(gfill, total) : 0u;
+      rec[j] = sh.base;
+      rec[kMaxSplit + j] = total;
+    }
     __syncthreads();
     const unsigned at = sh.base;
     for (unsigned i = threadIdx.x; i < total; i += kThreads)
       if (at + i < static_cast<unsigned>(kCap)) gbuf[at + i] = sh.u.buf[i];
     if (!arrive(p, r, sh)) return;
-    total = min(__ldcg(gfill), static_cast<unsigned>(kCap));
-    for (unsigned i = threadIdx.x; i < total; i += kThreads) sh.u.buf[i] = __ldcg(&gbuf[i]);
-    __syncthreads();  // every thread has read the fill
-    if (threadIdx.x == 0) *gfill = 0u;
+    unsigned c = 0u;
+    if (static_cast<int>(threadIdx.x) < p.S) {
+      c = __ldcg(&rec[kMaxSplit + threadIdx.x]);
+      sh.rbase[threadIdx.x] = __ldcg(&rec[threadIdx.x]);
+    }
+    unsigned all;
+    const unsigned excl = block_excl_scan(c, sh, all);
+    if (static_cast<int>(threadIdx.x) < p.S) sh.dest[threadIdx.x] = excl;
+    __syncthreads();
+    total = min(all, static_cast<unsigned>(kCap));
+    for (unsigned q = threadIdx.x; q < total; q += kThreads) {
+      // The segment holding q: the last CTA whose segment starts at or before q (empty ones share a start).
+      int a = 0, b = p.S - 1;
+      while (a < b) {
+        const int mid = (a + b + 1) / 2;
+        if (sh.dest[mid] <= q)
+          a = mid;
+        else
+          b = mid - 1;
+      }
+      const unsigned from = sh.rbase[a] + (q - sh.dest[a]);
+      sh.u.buf[q] = from < static_cast<unsigned>(kCap) ? __ldcg(&gbuf[from]) : 0ull;
+    }
+    if (threadIdx.x == 0) *gfill = 0u;  // every CTA of the row has added to it: zero for the next call
+    __syncthreads();
   }
-  __syncthreads();
-  unsigned P2 = 1;
-  while (P2 < total) P2 <<= 1;
-  unsigned long long v[kPer];
-  const unsigned base = threadIdx.x * kPer;
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) v[e] = base + e < total ? sh.u.buf[base + e] : 0ull;  // 0 sorts last
-  bitonic_sort(v, P2, sh);
-  int32_t* out = p.idx + r * p.k;
-#pragma unroll
-  for (int e = 0; e < kPer; ++e) {
-    const unsigned j = base + e;
-    if (j < static_cast<unsigned>(p.k))
-      out[j] = j < static_cast<unsigned>(m) ? static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(v[e])) : -1;
-  }
-  if (threadIdx.x == 0) {
-    p.count[r] = m;
-    state_of(p, r)->stage = kDone;
-  }
+  finish(p, r, total, st, m, sh);
 }
 
 // One phase of every row: first = 1 starts each row (a histogram pass 0, or the gather of a short row); later
-// launches run what the row's state says.
+// launches run what the row's state says. An unsplit row runs all of its phases in its first launch.
 __global__ void __launch_bounds__(kThreads, 2) topk_split_kernel(const Params p, const int first) {
   __shared__ Smem sh;
   const int64_t r = blockIdx.x / p.S;
@@ -455,10 +524,17 @@ __global__ void __launch_bounds__(kThreads, 2) topk_split_kernel(const Params p,
     st = load_state(state_of(p, r));
     if (st.stage == kDone) return;
   }
-  if (st.stage == kHist)
-    hist_pass(p, r, row, lo, end, st, sh);
-  else
+  if (p.S == 1) {
+    while (st.stage == kHist) {
+      hist_pass(p, r, row, lo, end, st, sh);
+      st = sh.next;
+    }
     gather(p, r, row, lo, end, st, m, sh);
+  } else if (st.stage == kHist) {
+    hist_pass(p, r, row, lo, end, st, sh);
+  } else {
+    gather(p, r, row, lo, end, st, m, sh);
+  }
 }
 
 }  // namespace
@@ -473,10 +549,6 @@ int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, i
   if (T == 0) return cudaSuccess;
   if (scratch == nullptr || !detail::aligned16(scratch) || scratch_bytes < topk_indices_scratch_bytes(T))
     return cudaErrorInvalidValue;
-  // The split pays its launches and passes back only on long rows that are few (docs/PERF.md, DSA): elsewhere
-  // the one-CTA kernel is faster, with the same result.
-  if (ctas_per_row == 0 && ld > kCap && T * kSplitColumnsPerRow > ld)
-    return topk_indices_one_cta(scores, ld, n, T, k, idx, count, stream);
   Params p{};
   p.scores = scores;
   p.ld = ld;
@@ -486,13 +558,13 @@ int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, i
   p.scratch = static_cast<char*>(scratch);
   p.k = k;
   p.vec = detail::aligned16(scores) && ld % 4 == 0;
-  // The split: ~2 CTAs per SM over all rows, chunks of >= kMinChunk columns (rows that fit kCap: one CTA).
+  // The split (kSplitColumnsPerRow says when): ~2 CTAs per SM over all rows, chunks of >= kMinChunk columns.
   int64_t S = ctas_per_row;
   if (S == 0) {
     const int64_t sms = detail::device_sm_count();
-    S = ld <= kCap ? 1 : std::clamp<int64_t>(2 * sms / T, 1, (ld + kMinChunk - 1) / kMinChunk);
+    S = ld <= kSplitColumnsPerRow || T >= sms ? 1 : std::clamp<int64_t>(2 * sms / T, 1, (ld + kMinChunk - 1) / kMinChunk);
   }
-  S = std::clamp<int64_t>(S, 1, std::max<int64_t>(1, (ld + 3) / 4));
+  S = std::clamp<int64_t>(S, 1, std::min<int64_t>(kMaxSplit, std::max<int64_t>(1, (ld + 3) / 4)));
   p.chunk = std::max<int64_t>(4, ((ld + S - 1) / S + 3) / 4 * 4);
   S = std::max<int64_t>(1, (ld + p.chunk - 1) / p.chunk);
   if (T > 0x7fffffffLL / S) return cudaErrorInvalidValue;
@@ -519,7 +591,7 @@ int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, i
   p.gap = b >= 32 ? 0ull : (0xffffffffull << b) & 0xffffffffull;
   const unsigned grid = static_cast<unsigned>(T * S);
   topk_split_kernel<<<grid, kThreads, 0, stream>>>(p, 1);
-  if (ld > kCap)
+  if (S > 1 && ld > kCap)
     for (int s = 0; s < np; ++s) topk_split_kernel<<<grid, kThreads, 0, stream>>>(p, 0);
   return cudaGetLastError();
 }

@@ -546,7 +546,7 @@ TEST_P(DsaIndexerCuda, ScoresAndTopkMatchCpu) {
     for (int64_t col = n; col < max_ctx; ++col)
       ASSERT_EQ(scores[static_cast<size_t>(t * max_ctx + col)], -INFINITY) << "tail of row " << t << " at " << col;
 
-    // Top-k: on the GPU's own scores, the GPU selection must be the CPU's exactly (set and order); with exact
+    // Top-k: on the GPU's own scores, the GPU selection must be the CPU's exactly (set, column order); with exact
     // integer scores this is also the end-to-end answer, ties included.
     const std::vector<float>& basis = c.integers ? ref : got;
     std::vector<int64_t> want(static_cast<size_t>(std::max(n, 1)));
@@ -605,26 +605,22 @@ TEST(TopkCuda, MatchesCpuExactlyOnCraftedRows) {
   auto d_scores = upload(scores);
   auto d_n = upload(n32);
   for (int k : {2048, 100, 1})
-    for (int one_cta = 0; one_cta < 2; ++one_cta) {  // the split kernel, then the one-CTA kernel it replaced
+    for (int64_t ctas : {int64_t{0}, int64_t{1}}) {  // the automatic split, then one CTA per row
       DeviceBuffer d_idx(static_cast<size_t>(T * k) * sizeof(int32_t)),
           d_cnt(static_cast<size_t>(T) * sizeof(int32_t));
-      if (one_cta)
-        K3_CU(ops::cuda::topk_indices_one_cta(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k,
-                                              d_idx.get<int32_t>(), d_cnt.get<int32_t>(), st()));
-      else
-        K3_CU(ops::cuda::topk_indices(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
-                                      d_cnt.get<int32_t>(), topk_scratch().get(), topk_scratch().bytes(), st()));
+      K3_CU(ops::cuda::topk_indices(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
+                                    d_cnt.get<int32_t>(), topk_scratch().get(), topk_scratch().bytes(), st(), ctas));
       const auto idx = down_i32(d_idx, static_cast<size_t>(T * k));
       const auto cnt = down_i32(d_cnt, static_cast<size_t>(T));
       for (int64_t t = 0; t < T; ++t) {
         const int n = ns[static_cast<size_t>(t)];
         std::vector<int64_t> want(static_cast<size_t>(std::max(n, 1)));
         const int64_t m = ops::topk_indices(&scores[static_cast<size_t>(t * ld)], n, k, want.data());
-        ASSERT_EQ(cnt[static_cast<size_t>(t)], m) << "one_cta " << one_cta << " k " << k << " row " << t;
+        ASSERT_EQ(cnt[static_cast<size_t>(t)], m) << "ctas " << ctas << " k " << k << " row " << t;
         for (int j = 0; j < k; ++j) {
           const int32_t expect = j < m ? static_cast<int32_t>(want[static_cast<size_t>(j)]) : -1;
           ASSERT_EQ(idx[static_cast<size_t>(t * k + j)], expect)
-              << "one_cta " << one_cta << " k " << k << " row " << t << " rank " << j;
+              << "ctas " << ctas << " k " << k << " row " << t << " rank " << j;
         }
       }
     }
@@ -679,23 +675,18 @@ struct TopkOut {
   std::vector<int32_t> idx, cnt;
 };
 
-// The split kernel (ctas_per_row >= 0; 0: its own split) or the one-CTA kernel (< 0) on device scores, with
-// sentinels past idx and count that must stay untouched.
+// topk_indices (ctas_per_row 0: its own split; 1: one CTA per row) on device scores (from float offset
+// `shift`: shift 1 takes the scalar loads), with sentinels past idx and count that must stay untouched.
 TopkOut run_topk(const DeviceBuffer& d_scores, int64_t ld, const DeviceBuffer& d_n, int64_t T, int k,
-                 int64_t ctas_per_row) {
+                 int64_t ctas_per_row, int64_t shift = 0) {
   constexpr int32_t kSentinel = 0x5a5a5a5a;
   constexpr size_t kGuard = 64;
   const size_t ni = static_cast<size_t>(T * k);
   auto d_idx = upload(std::vector<int32_t>(ni + kGuard, kSentinel));
   auto d_cnt = upload(std::vector<int32_t>(static_cast<size_t>(T) + kGuard, kSentinel));
-  int rc;
-  if (ctas_per_row < 0)
-    rc = ops::cuda::topk_indices_one_cta(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
-                                         d_cnt.get<int32_t>(), st());
-  else
-    rc = ops::cuda::topk_indices(d_scores.get<float>(), ld, d_n.get<int32_t>(), T, k, d_idx.get<int32_t>(),
-                                 d_cnt.get<int32_t>(), topk_scratch().get(), topk_scratch().bytes(), st(),
-                                 ctas_per_row);
+  const int rc = ops::cuda::topk_indices(d_scores.get<float>() + shift, ld, d_n.get<int32_t>(), T, k,
+                                        d_idx.get<int32_t>(), d_cnt.get<int32_t>(), topk_scratch().get(),
+                                        topk_scratch().bytes(), st(), ctas_per_row);
   EXPECT_EQ(rc, 0) << "topk launch, ctas_per_row " << ctas_per_row;
   TopkOut o;
   o.idx = down_i32(d_idx, ni + kGuard);
@@ -709,15 +700,20 @@ TopkOut run_topk(const DeviceBuffer& d_scores, int64_t ld, const DeviceBuffer& d
   return o;
 }
 
-// The CPU topk_indices of every row, exactly (count, set, order, -1 padding).
+// The CPU topk_indices of every row, exactly (count, set, column order, -1 padding); scores from float offset
+// shift. The columns must also ascend strictly on their own (the contract, whatever the CPU says).
 ::testing::AssertionResult topk_matches_cpu(const std::vector<float>& scores, int64_t ld,
-                                            const std::vector<int32_t>& n, int k, const TopkOut& got) {
+                                            const std::vector<int32_t>& n, int k, const TopkOut& got,
+                                            int64_t shift = 0) {
   const int64_t T = static_cast<int64_t>(n.size());
   std::vector<int64_t> want;
   for (int64_t t = 0; t < T; ++t) {
     const int64_t nt = n[static_cast<size_t>(t)];
     want.assign(static_cast<size_t>(std::max<int64_t>(nt, 1)), -7);
-    const int64_t m = ops::topk_indices(&scores[static_cast<size_t>(t * ld)], nt, k, want.data());
+    const int64_t m = ops::topk_indices(&scores[static_cast<size_t>(shift + t * ld)], nt, k, want.data());
+    for (int64_t j = 1; j < std::min<int64_t>(m, got.cnt[static_cast<size_t>(t)]); ++j)
+      if (got.idx[static_cast<size_t>(t * k + j)] <= got.idx[static_cast<size_t>(t * k + j - 1)])
+        return ::testing::AssertionFailure() << "row " << t << ": columns not ascending at rank " << j;
     if (got.cnt[static_cast<size_t>(t)] != m)
       return ::testing::AssertionFailure() << "row " << t << " (n " << nt << "): count " << got.cnt[t] << ", want " << m;
     for (int j = 0; j < k; ++j) {
@@ -732,14 +728,15 @@ TopkOut run_topk(const DeviceBuffer& d_scores, int64_t ld, const DeviceBuffer& d
 }
 
 // Every size around the split's edges (k - 1, k, k + 1, the gather-at-once limit 4096, one CTA's chunk,
-// 64k, 64k + 1: one more column bit, 128k), 1 and 8 rows (ragged n), each row kind, the automatic split and
-// forced ones (3 CTAs a row; 64: chunks of 4 to 2048 columns, ties across many CTA boundaries); the one-CTA
-// kernel must agree bit for bit.
+// the one-CTA limit 16384, 64k, 64k + 1: one more column bit, 128k), 1 and 8 rows (ragged n), each row kind,
+// one CTA per row, the automatic split and forced ones (3 CTAs a row; 64 and 512, the most: chunks of 4 to
+// 2048 columns, ties across many CTA boundaries, many empty segments); all must agree bit for bit.
 TEST(TopkSplitCuda, MatchesCpuOverSizesRowsAndSplits) {
   K3_REQUIRE_GPU();
   const int k = 2048;
   for (int64_t ld : {int64_t{1}, int64_t{7}, int64_t{k - 1}, int64_t{k}, int64_t{k + 1}, int64_t{4096},
-                     int64_t{4097}, int64_t{5000}, int64_t{65536}, int64_t{65537}, int64_t{131072}})
+                     int64_t{4097}, int64_t{5000}, int64_t{16384}, int64_t{16385}, int64_t{65536}, int64_t{65537},
+                     int64_t{131072}})
     for (int64_t T : {int64_t{1}, int64_t{8}}) {
       Rng r(static_cast<uint64_t>(ld * 31 + T));
       std::vector<float> scores(static_cast<size_t>(T * ld), 1e30f);
@@ -752,9 +749,9 @@ TEST(TopkSplitCuda, MatchesCpuOverSizesRowsAndSplits) {
       }
       auto d_scores = upload(scores);
       auto d_n = upload(n);
-      const TopkOut ref = run_topk(d_scores, ld, d_n, T, k, -1);
-      ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, ref)) << "one-CTA kernel, ld " << ld << " T " << T;
-      for (int64_t ctas : {int64_t{0}, int64_t{3}, int64_t{64}}) {
+      const TopkOut ref = run_topk(d_scores, ld, d_n, T, k, 1);
+      ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, ref)) << "one CTA per row, ld " << ld << " T " << T;
+      for (int64_t ctas : {int64_t{0}, int64_t{3}, int64_t{64}, int64_t{512}}) {
         const TopkOut got = run_topk(d_scores, ld, d_n, T, k, ctas);
         ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, got)) << "ld " << ld << " T " << T << " ctas " << ctas;
         ASSERT_EQ(got.idx, ref.idx) << "ld " << ld << " T " << T << " ctas " << ctas;
@@ -876,6 +873,78 @@ TEST(TopkSplitCuda, SmallRowsForTheSanitizer) {
       const TopkOut got = run_topk(d_scores, ld, d_n, T, k, ctas);
       ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, got)) << "k " << k << " ctas " << ctas;
     }
+}
+
+// Ties at the threshold placed over every CTA boundary: the lowest tied columns must win, whatever the split.
+// Rows: 2000 scores above a sea of 1.0 (48 of the 1.0s taken); exactly k at 5.0 (the chosen bin taken whole
+// at the first pass); k + 1 at 5.0 (the highest of them left out); k - 1 at 5.0 and one 4.0; -0 / +0 in a
+// sea of NaN and -inf with a few +inf (the zeros tie across the sign). Then the scratch's counters, fills
+// and histograms must be zero again (its layout: dsa_topk.cu, "A row's block").
+TEST(TopkSplitCuda, ThresholdTiesAcrossCtaBoundaries) {
+  K3_REQUIRE_GPU();
+  const int k = 2048;
+  const int64_t ld = 65536, T = 5;
+  Rng r(95);
+  std::vector<float> scores(static_cast<size_t>(T * ld), 1.0f);
+  auto scatter = [&](int64_t t, int count, float v) {
+    for (int c = 0; c < count;) {
+      float& x = scores[static_cast<size_t>(t * ld) + r.below(static_cast<uint64_t>(ld))];
+      if (x != 1.0f) continue;
+      x = v;
+      ++c;
+    }
+  };
+  for (int c = 0; c < 2000; ++c) scatter(0, 1, static_cast<float>(3.0 + r.uniform(0, 1)));
+  scatter(1, k, 5.0f);
+  scatter(2, k + 1, 5.0f);
+  scatter(3, k - 1, 5.0f);
+  scatter(3, 1, 4.0f);
+  for (int64_t i = 0; i < ld; ++i) {
+    const uint64_t u = r.below(16);
+    scores[static_cast<size_t>(4 * ld + i)] = u < 6 ? kNaN : u < 12 ? -INFINITY : u < 13 ? -0.0f : u < 14 ? 0.0f : u < 15 ? INFINITY : -5.0f;
+  }
+  const std::vector<int32_t> n(static_cast<size_t>(T), static_cast<int32_t>(ld));
+  auto d_scores = upload(scores);
+  auto d_n = upload(n);
+  for (int64_t ctas : {int64_t{1}, int64_t{0}, int64_t{7}, int64_t{64}, int64_t{512}}) {
+    const TopkOut got = run_topk(d_scores, ld, d_n, T, k, ctas);
+    ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, got)) << "ctas " << ctas;
+  }
+  // Row 2: the k + 1 fives less the last one.
+  std::vector<int32_t> fives;
+  for (int64_t i = 0; i < ld; ++i)
+    if (scores[static_cast<size_t>(2 * ld + i)] == 5.0f) fives.push_back(static_cast<int32_t>(i));
+  const TopkOut got = run_topk(d_scores, ld, d_n, T, k, 64);
+  fives.pop_back();
+  ASSERT_EQ(std::vector<int32_t>(got.idx.begin() + 2 * k, got.idx.begin() + 3 * k), fives);
+
+  const size_t row_bytes = ops::cuda::topk_indices_scratch_bytes(1);
+  std::vector<uint32_t> sc(topk_scratch().bytes() / 4);
+  ASSERT_EQ(cudaMemcpy(sc.data(), topk_scratch().get(), sc.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int64_t row = 0; row < kTopkMaxRows; ++row) {
+    const uint32_t* b = &sc[static_cast<size_t>(row) * row_bytes / 4];
+    ASSERT_EQ(b[0], 0u) << "arrival counter of row " << row;
+    ASSERT_EQ(b[1], 0u) << "buffer fill of row " << row;
+    for (int i = 0; i < 4096; ++i) ASSERT_EQ(b[64 + i], 0u) << "histogram of row " << row << " bin " << i;
+  }
+}
+
+// Scores 4 bytes off 16-byte alignment (and an odd ld elsewhere): the scalar loads, on every split.
+TEST(TopkSplitCuda, ScalarLoadsOnUnalignedScores) {
+  K3_REQUIRE_GPU();
+  const int k = 2048;
+  const int64_t ld = 20000, T = 4;
+  Rng r(96);
+  std::vector<float> scores(static_cast<size_t>(T * ld + 1), 1e30f);
+  std::vector<int32_t> n = {20000, 19999, 4097, 2050};
+  for (int64_t t = 0; t < T; ++t)
+    fill_topk_row(&scores[static_cast<size_t>(1 + t * ld)], n[static_cast<size_t>(t)], static_cast<TopkRow>(t + 1), r);
+  auto d_scores = upload(scores);
+  auto d_n = upload(n);
+  for (int64_t ctas : {int64_t{1}, int64_t{0}, int64_t{9}, int64_t{512}}) {
+    const TopkOut got = run_topk(d_scores, ld, d_n, T, k, ctas, /*shift=*/1);
+    ASSERT_TRUE(topk_matches_cpu(scores, ld, n, k, got, /*shift=*/1)) << "ctas " << ctas;
+  }
 }
 
 // Bad arguments are refused before any launch.

@@ -228,7 +228,7 @@ TEST_P(DcpTopkCuda, ShardedTopkEqualsTheGlobalTopk) {
   K3_CU(ops::cuda::dcp_scatter_candidates(d_all_s.get<float>(), d_all_p.get<int32_t>(), D, T, k, ld,
                                           d_dense.get<float>(), s));
   EXPECT_EQ(download<float>(d_dense, T * ld), dense) << "scatter";
-  // The global selection from the scattered candidates == the top-k of S (positions by score, ties low).
+  // The global selection from the scattered candidates == the top-k of S (ties low, listed by position).
   std::vector<int32_t> sel_g(T * k, -1), n_g(T);
   for (int64_t t = 0; t < T; ++t) {
     std::vector<int64_t> a(ctx[t]), b(ctx[t]);
