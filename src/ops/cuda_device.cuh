@@ -1,8 +1,8 @@
 // Device-side basics of the CUDA ops in this folder (included by .cu files only, C++17): the warp
 // size, warp and block sums (butterfly shuffles: every lane gets the total), the sigmoid, the
 // host-side alignment test that picks the vectorized kernels, the 32-bit shared-window address of a
-// pointer, the SM count of the device, and the one way a launcher raises a kernel's dynamic
-// shared-memory limit.
+// pointer, the SM count of the device, the one way a launcher raises a kernel's dynamic
+// shared-memory limit, and the last-CTA-arrives handoff of kernels that split a row over CTAs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,6 +26,24 @@ __device__ __forceinline__ double warp_sum(double v) {
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+
+// Whether this CTA is the last of `ctas` to arrive at `counter` (a global counter at 0 before the first);
+// the last one may then read what the others wrote before arriving, and resets the counter for the next
+// use. No CTA waits for another. Every thread calls it after its writes; ends with a barrier. flag: a
+// __shared__ int for the broadcast.
+__device__ __forceinline__ bool last_cta_arrives(unsigned* counter, int ctas, int& flag) {
+  __threadfence();  // this thread's writes before the counter
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const bool last = atomicAdd(counter, 1u) == static_cast<unsigned>(ctas - 1);
+    if (last) atomicExch(counter, 0u);  // every CTA has arrived: ready for the next use
+    flag = last;
+  }
+  __syncthreads();
+  const bool last = flag != 0;
+  if (last) __threadfence();  // the others' writes after the counter
+  return last;
 }
 
 // 1 / (1 + e^-x) in FP32 with expf, the CPU reference's expression.

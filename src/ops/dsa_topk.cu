@@ -253,18 +253,7 @@ __device__ __forceinline__ unsigned block_excl_scan(unsigned v, Smem& sh, unsign
 // Whether this CTA is the last of its row's S to arrive (S > 1). Every thread calls it after its writes to
 // the row's scratch; ends with a barrier.
 __device__ __forceinline__ bool arrive(const Params& p, int64_t r, Smem& sh) {
-  __threadfence();  // this thread's histogram adds / buffer writes before the counter
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned* c = counter_of(p, r);
-    const bool last = atomicAdd(c, 1u) == static_cast<unsigned>(p.S - 1);
-    if (last) atomicExch(c, 0u);  // every CTA of the row has arrived: ready for the next launch
-    sh.last = last;
-  }
-  __syncthreads();
-  const bool last = sh.last != 0;
-  if (last) __threadfence();
-  return last;
+  return detail::last_cta_arrives(counter_of(p, r), p.S, sh.last);
 }
 
 // One histogram pass of the row over this CTA's columns; the last CTA (every CTA of an unsplit row) picks

@@ -284,19 +284,11 @@ __device__ __forceinline__ unsigned long long block_sum_u64(unsigned long long v
 // Whether this CTA is the last of its row's S to arrive (then it combines the row's partials). Every thread
 // calls it after writing its partials; ends with a barrier.
 __device__ __forceinline__ bool arrive(const Params& p, int r, Smem& sh) {
-  __threadfence();  // this thread's partials before the counter
-  __syncthreads();
-  if (p.S == 1) return true;  // the one CTA of its row
-  if (threadIdx.x == 0) {
-    unsigned* c = counter_of(p, r);
-    const bool last = atomicAdd(c, 1u) == static_cast<unsigned>(p.S - 1);
-    if (last) atomicExch(c, 0u);  // every CTA of the row has arrived: ready for the next phase
-    sh.last = last;
+  if (p.S == 1) {  // the one CTA of its row
+    __syncthreads();
+    return true;
   }
-  __syncthreads();
-  const bool last = sh.last != 0;
-  if (last) __threadfence();
-  return last;
+  return detail::last_cta_arrives(counter_of(p, r), p.S, sh.last);
 }
 
 // The first id whose cumulative value(i, clean(l[i])) (in id order) exceeds target; -1 if none. The row's
