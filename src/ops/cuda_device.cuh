@@ -28,6 +28,21 @@ __device__ __forceinline__ double warp_sum(double v) {
   return v;
 }
 
+// Max of v over the block (fmaxf: a NaN never wins); every thread gets it. Every thread of the block must
+// call it; red is a __shared__ float[32]. Ends with a barrier, so red may be reused at once.
+__device__ __forceinline__ float block_max(float v, float* red) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  const int warps = (blockDim.x + kWarp - 1) / kWarp;
+  float m = -INFINITY;
+  for (int i = 0; i < warps; ++i) m = fmaxf(m, red[i]);
+  __syncthreads();
+  return m;
+}
+
 // Whether this CTA is the last of `ctas` to arrive at `counter` (a global counter at 0 before the first);
 // the last one may then read what the others wrote before arriving, and resets the counter for the next
 // use. No CTA waits for another. Every thread calls it after its writes; ends with a barrier. flag: a

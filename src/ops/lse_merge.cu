@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kMergeCols * G)
   __shared__ float part[G][kMergeCols];  // groups 1.. (row 0 unused)
   __shared__ float inv_sum_s;
   const int64_t th = blockIdx.x;  // t * H + h
-  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int tid = static_cast<int>(threadIdx.x);
   float m = -INFINITY;
   for (int d = tid; d < D; d += kMergeThreads) {
     const float l = lse_parts[d * TH + th];
@@ -54,13 +54,7 @@ __global__ void __launch_bounds__(kMergeCols * G)
   bool any = false;
   for (int d = tid; d < D; d += kMergeThreads) any |= ls[d] != -INFINITY;
   any = __syncthreads_or(any);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = red[0];
-#pragma unroll
-  for (int w = 1; w < kMergeThreads / 32; ++w) m = fmaxf(m, red[w]);
+  m = detail::block_max(m, red);
   float* oh = o + th * R;
   const int col = tid % kMergeCols, g = tid / kMergeCols;
   const int r = blockIdx.y * kMergeCols + col;
@@ -193,13 +187,7 @@ __global__ void __launch_bounds__(kManyThreads)
     any |= l != -INFINITY;  // NaN counts as not empty, as on the CPU
   }
   any = __syncthreads_or(any);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  if (lane == 0) red[warp] = m;
-  __syncthreads();
-  m = red[0];
-#pragma unroll
-  for (int w = 1; w < kManyWarps; ++w) m = fmaxf(m, red[w]);
+  m = detail::block_max(m, red);
   float* oh = o + th * R;
   const int col = static_cast<int>(blockIdx.y) * kManyCols + lane;
   if (!any) {
