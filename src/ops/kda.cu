@@ -201,18 +201,32 @@ __global__ void __launch_bounds__(kRecMaxThreads, 8) kda_rec_kernel(const RecArg
   }
 }
 
-template <bool REPLAY>
-int launch_rec(const RecArgs& a, int B, CUstream_st* stream) {
-  // 4 warps x 2 rows per CTA at every B: one configuration, so a request's bits never depend on its batch
-  // (1 row per warp at B = 1 was slower and rounded differently).
-  constexpr int warps = 4, rpw = 2, rows_per_cta = warps * rpw;
+// Rows per warp: a row's arithmetic does not depend on it (its dk lanes, its shuffles), so the choice
+// changes speed, not bits. Four rows share each token's k, g, q loads and interleave their warp sums;
+// two give twice the CTAs, which small batches need to fill the SMs.
+int rec_rows_per_warp(int B, int H, int dv) {
+  const int64_t ctas4 = int64_t{B} * H * ((dv + 15) / 16);  // 4 warps x 4 rows per CTA
+  return ctas4 >= 4 * int64_t{detail::device_sm_count()} ? 4 : 2;
+}
+
+template <int RPW, bool REPLAY>
+void launch_rec_rpw(const RecArgs& a, int B, CUstream_st* stream) {
+  constexpr int warps = 4, rows_per_cta = warps * RPW;
   const dim3 grid(static_cast<unsigned>((a.dv + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(a.H),
                   static_cast<unsigned>(B));
   const unsigned threads = static_cast<unsigned>(warps * 32);
   if (a.dk <= 128)
-    kda_rec_kernel<1, rpw, REPLAY><<<grid, threads, 0, stream>>>(a);
+    kda_rec_kernel<1, RPW, REPLAY><<<grid, threads, 0, stream>>>(a);
   else
-    kda_rec_kernel<2, rpw, REPLAY><<<grid, threads, 0, stream>>>(a);
+    kda_rec_kernel<2, RPW, REPLAY><<<grid, threads, 0, stream>>>(a);
+}
+
+template <bool REPLAY>
+int launch_rec(const RecArgs& a, int B, CUstream_st* stream) {
+  if (rec_rows_per_warp(B, a.H, a.dv) == 4)
+    launch_rec_rpw<4, REPLAY>(a, B, stream);
+  else
+    launch_rec_rpw<2, REPLAY>(a, B, stream);
   return cudaGetLastError();
 }
 
