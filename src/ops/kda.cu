@@ -4,7 +4,7 @@
 //   kda_gated_norm: one warp per (row, head); the sum of squares in double like the
 //     CPU reference, then the same FP32 ops and BF16 roundings.
 //   kda_recurrence: rows of S [dv, dk] evolve independently, so a CTA of 4 warps owns
-//     8 rows of one (request, head) (fewer rows per CTA when that leaves SMs idle);
+//     16 rows of one (request, head), or 8 when the batch is too small to fill the SMs;
 //     each lane keeps float4 column chunks of its warp's rows in registers (coalesced
 //     512 B row loads), loops the q_len tokens, reduces S' k and S q over dk with warp
 //     shuffles, and writes the state after the last token to the slot's other state
