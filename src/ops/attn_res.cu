@@ -55,6 +55,8 @@ using detail::round_bf16_dev;
 
 template <int VEC>
 __global__ void __launch_bounds__(kArThreads) attn_res_kernel(AttnResCudaArgs a) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   __shared__ float red[kWarp];
   __shared__ float alpha[kAttnResMaxSources];
   __shared__ float score[kAttnResMaxSources];
@@ -239,6 +241,8 @@ __device__ __forceinline__ float warp_sum16_transposed(float (&v)[16], int lane)
 // grid.x = rows * cs, cluster (cs, 1, 1): cluster r is row r, its CTA k (= block rank) slice k.
 // Dynamic shared memory: ar_dyn_smem(ar_slots(...), per, blockDim.x / 32, nsrc) bytes.
 __global__ void __launch_bounds__(kArMaxThreads, 2) attn_res_cluster_kernel(AttnResCudaArgs a) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   extern __shared__ uint4 ar_dyn[];
@@ -528,13 +532,14 @@ int attn_res(const AttnResCudaArgs& a, CUstream_st* stream) {
       cfg.blockDim = dim3(static_cast<unsigned>(threads_for(cs)), 1, 1);
       cfg.dynamicSmemBytes = static_cast<size_t>(smem);
       cfg.stream = stream;
-      cudaLaunchAttribute attr[1];
+      cudaLaunchAttribute attr[2];
       attr[0].id = cudaLaunchAttributeClusterDimension;
       attr[0].val.clusterDim.x = static_cast<unsigned>(cs);
       attr[0].val.clusterDim.y = 1;
       attr[0].val.clusterDim.z = 1;
+      attr[1] = detail::pdl_attribute();  // as detail::launch's launches
       cfg.attrs = attr;
-      cfg.numAttrs = 1;
+      cfg.numAttrs = 2;
       return cudaLaunchKernelEx(&cfg, attn_res_cluster_kernel, a);
     }
   }
@@ -543,12 +548,8 @@ int attn_res(const AttnResCudaArgs& a, CUstream_st* stream) {
   const auto threads =
       static_cast<unsigned>(std::max<int64_t>(kWarp, std::min<int64_t>(kArThreads, (chunks + kWarp - 1) / kWarp * kWarp)));
   const auto grid = static_cast<unsigned>(a.rows);
-  if (vec) {
-    attn_res_kernel<8><<<grid, threads, 0, stream>>>(a);
-  } else {
-    attn_res_kernel<1><<<grid, threads, 0, stream>>>(a);
-  }
-  return cudaGetLastError();
+  if (vec) return detail::launch(attn_res_kernel<8>, grid, threads, 0, stream, a);
+  return detail::launch(attn_res_kernel<1>, grid, threads, 0, stream, a);
 }
 
 }  // namespace k3::ops::cuda

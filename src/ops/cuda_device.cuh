@@ -2,13 +2,17 @@
 // size, warp and block sums (butterfly shuffles: every lane gets the total), the sigmoid, the
 // host-side alignment test that picks the vectorized kernels, the 32-bit shared-window address of a
 // pointer, the SM count of the device, the one way a launcher raises a kernel's dynamic
-// shared-memory limit, and the last-CTA-arrives handoff of kernels that split a row over CTAs.
+// shared-memory limit, the last-CTA-arrives handoff of kernels that split a row over CTAs, and
+// programmatic dependent launch (the device-side wait and trigger, the one launcher of every kernel).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
 
 namespace k3::ops::cuda::detail {
 
@@ -124,6 +128,62 @@ cudaError_t allow_optin_smem(bool max_carveout = false) {
   }
   done.fetch_or(bit, std::memory_order_acq_rel);
   return cudaSuccess;
+}
+
+// Programmatic dependent launch (Hopper): a kernel launched by launch() below may start while the kernel
+// before it in the stream still runs, so that its launch and CTA scheduling overlap that kernel's tail.
+// Every kernel therefore begins with pdl_wait(), which returns once the grids it depends on have
+// completed and their writes are visible; before it, a kernel may read only data that no kernel of the
+// step writes (the weights). It then calls pdl_launch_dependents() at once, so that its own successor is
+// launched while it runs; the successor's wait still holds it until this grid completes. Both are no-ops
+// below sm_90 and in a kernel launched without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// Whether launches carry the programmatic-serialization attribute: on unless K3_PDL=0 in the environment
+// (read once; A/B runs of the step compare the two in separate processes).
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("K3_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
+// The launch attribute that lets a kernel start before the previous one in its stream completes.
+inline cudaLaunchAttribute pdl_attribute() {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = pdl_enabled() ? 1 : 0;
+  return a;
+}
+
+// The one launcher of the kernels in this folder: the triple-chevron launch of kernel (grid, block, smem,
+// stream s) with pdl_attribute(), the arguments converted to the kernel's parameter types as that launch
+// converts them. Returns the launch's error, else an earlier one still pending (what cudaGetLastError
+// after the chevron launch returned), and clears the pending error as that did.
+template <typename... KArgs, typename... Args>
+cudaError_t launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, Args&&... args) {
+  static_assert(sizeof...(KArgs) == sizeof...(Args), "launch: one argument per kernel parameter");
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1] = {pdl_attribute()};
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  const cudaError_t last = cudaGetLastError();
+  return e != cudaSuccess ? e : last;
 }
 
 }  // namespace k3::ops::cuda::detail

@@ -14,6 +14,8 @@ using detail::kWarp;
 __global__ void candidates_kernel(const float* __restrict__ scores, int64_t ld, const int32_t* __restrict__ sel,
                                   const int32_t* __restrict__ n, int64_t T, int k, int D, int r,
                                   float* __restrict__ cand_score, int32_t* __restrict__ cand_pos) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < T * k; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = e / k;
     const int j = static_cast<int>(e % k);
@@ -28,12 +30,16 @@ __global__ void candidates_kernel(const float* __restrict__ scores, int64_t ld, 
 }
 
 __global__ void fill_kernel(float* __restrict__ x, int64_t count, float v) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < count; e += int64_t{gridDim.x} * blockDim.x)
     x[e] = v;
 }
 
 __global__ void scatter_kernel(const float* __restrict__ cand_score, const int32_t* __restrict__ cand_pos, int D,
                                int64_t T, int k, int64_t ld, float* __restrict__ dense) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < D * T * k;
        e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = (e / k) % T;
@@ -45,6 +51,8 @@ __global__ void scatter_kernel(const float* __restrict__ cand_score, const int32
 // One warp per row.
 __global__ void local_selection_kernel(const int32_t* __restrict__ sel, const int32_t* __restrict__ n, int64_t T,
                                        int k, int D, int r, int32_t* __restrict__ out, int32_t* __restrict__ count) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int64_t t = blockIdx.x;
   const int lane = threadIdx.x;
   const int nt = n[t];
@@ -71,25 +79,27 @@ int dcp_topk_candidates(const float* scores, int64_t ld, const int32_t* sel, con
                         int r, float* cand_score, int32_t* cand_pos, CUstream_st* stream) {
   if (T < 0 || k < 1 || D < 1 || r < 0 || r >= D || ld < 0) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  candidates_kernel<<<grid_of(T * k, 256), 256, 0, stream>>>(scores, ld, sel, n, T, k, D, r, cand_score, cand_pos);
-  return cudaGetLastError();
+  return detail::launch(candidates_kernel, grid_of(T * k, 256), 256, 0, stream, scores, ld, sel, n, T, k, D, r,
+                        cand_score, cand_pos);
 }
 
 int dcp_scatter_candidates(const float* cand_score, const int32_t* cand_pos, int D, int64_t T, int k, int64_t ld,
                            float* dense, CUstream_st* stream) {
   if (T < 0 || k < 1 || D < 1 || ld < 0) return cudaErrorInvalidValue;
   if (T == 0 || ld == 0) return cudaSuccess;
-  fill_kernel<<<grid_of(T * ld, 256), 256, 0, stream>>>(dense, T * ld, -INFINITY);
-  scatter_kernel<<<grid_of(D * T * k, 256), 256, 0, stream>>>(cand_score, cand_pos, D, T, k, ld, dense);
-  return cudaGetLastError();
+  if (const cudaError_t e = detail::launch(fill_kernel, grid_of(T * ld, 256), 256, 0, stream, dense, T * ld, -INFINITY);
+      e != cudaSuccess)
+    return e;
+  return detail::launch(scatter_kernel, grid_of(D * T * k, 256), 256, 0, stream, cand_score, cand_pos, D, T, k, ld,
+                        dense);
 }
 
 int dcp_local_selection(const int32_t* sel, const int32_t* n, int64_t T, int k, int D, int r, int32_t* out,
                         int32_t* count, CUstream_st* stream) {
   if (T < 0 || k < 1 || D < 1 || r < 0 || r >= D || T > 0x7fffffff) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  local_selection_kernel<<<static_cast<unsigned>(T), kWarp, 0, stream>>>(sel, n, T, k, D, r, out, count);
-  return cudaGetLastError();
+  return detail::launch(local_selection_kernel, static_cast<unsigned>(T), kWarp, 0, stream, sel, n, T, k, D, r, out,
+                        count);
 }
 
 }  // namespace k3::ops::cuda

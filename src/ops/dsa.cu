@@ -58,6 +58,8 @@ struct IndexParams {
 };
 
 __global__ void __launch_bounds__(kIdxThreads) dsa_index_scores_kernel(const IndexParams p) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   extern __shared__ __align__(16) unsigned char smem[];
   const int Di = p.Di, Hi = p.Hi;
   const int dk16 = idx_dk16(Di), dk = idx_dk(Di);
@@ -197,8 +199,7 @@ int dsa_index_scores_paged(const bf16* q_idx, const float* w, const bf16* key_po
   const int64_t tiles = T * ((max_ctx + kKT - 1) / kKT), want_ctas = 4 * int64_t{detail::device_sm_count()};
   p.chunk = kKT * static_cast<int>(std::clamp<int64_t>((tiles + want_ctas - 1) / want_ctas, 1, kIdxMaxChunkTiles));
   const dim3 grid(static_cast<unsigned>((max_ctx + p.chunk - 1) / p.chunk), static_cast<unsigned>(T));
-  dsa_index_scores_kernel<<<grid, kIdxThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return detail::launch(dsa_index_scores_kernel, grid, kIdxThreads, smem, stream, p);
 }
 
 }  // namespace k3::ops::cuda

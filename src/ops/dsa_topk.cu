@@ -490,6 +490,8 @@ __device__ void gather(const Params& p, int64_t r, const float* __restrict__ row
 // One phase of every row: first = 1 starts each row (a histogram pass 0, or the gather of a short row); later
 // launches run what the row's state says. An unsplit row runs all of its phases in its first launch.
 __global__ void __launch_bounds__(kThreads, 2) topk_split_kernel(const Params p, const int first) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   __shared__ Smem sh;
   const int64_t r = blockIdx.x / p.S;
   const int64_t j = blockIdx.x % p.S;
@@ -579,10 +581,13 @@ int topk_indices(const float* scores, int64_t ld, const int32_t* n, int64_t T, i
   p.passes = np;
   p.gap = b >= 32 ? 0ull : (0xffffffffull << b) & 0xffffffffull;
   const unsigned grid = static_cast<unsigned>(T * S);
-  topk_split_kernel<<<grid, kThreads, 0, stream>>>(p, 1);
+  if (const cudaError_t e = detail::launch(topk_split_kernel, grid, kThreads, 0, stream, p, 1); e != cudaSuccess)
+    return e;
   if (S > 1 && ld > kCap)
-    for (int s = 0; s < np; ++s) topk_split_kernel<<<grid, kThreads, 0, stream>>>(p, 0);
-  return cudaGetLastError();
+    for (int s = 0; s < np; ++s)
+      if (const cudaError_t e = detail::launch(topk_split_kernel, grid, kThreads, 0, stream, p, 0); e != cudaSuccess)
+        return e;
+  return cudaSuccess;
 }
 
 }  // namespace k3::ops::cuda

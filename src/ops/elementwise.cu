@@ -19,18 +19,26 @@ __device__ __forceinline__ void st(bf16* p, int64_t i, float v) {
 }
 
 __global__ void gate_sigmoid_kernel(const bf16* o, const bf16* g, bf16* out, int64_t n) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     st(out, i, ld(o, i) * detail::sigmoid(ld(g, i)));
 }
 __global__ void add_kernel(const bf16* a, const bf16* b, bf16* out, int64_t n) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     st(out, i, ld(a, i) + ld(b, i));
 }
 __global__ void to_bf16_kernel(const float* x, bf16* out, int64_t n) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     st(out, i, x[i]);
 }
 __global__ void scale_kernel(float* x, float s, int64_t n) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     x[i] *= s;
 }
@@ -39,6 +47,8 @@ __global__ void scale_kernel(float* x, float s, int64_t n) {
 __global__ void cache_write_kernel(const bf16* x, int64_t ldx, int64_t width, const bf16* norm_w, int64_t norm_cols,
                                    float eps, const int32_t* pos0, int q_len, const int32_t* tables, int max_pages,
                                    int page_size, int dcp_size, int dcp_rank, bf16* pool) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int64_t r = blockIdx.x;
   const int b = static_cast<int>(r / q_len);
   const int64_t pos = pos0[b] + r % q_len;
@@ -78,6 +88,8 @@ __global__ void cache_write_kernel(const bf16* x, int64_t ldx, int64_t width, co
 }
 
 __global__ void remap_kernel(int32_t* idx, int64_t n, int begin, int count) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     idx[i] = begin + (idx[i] % count + count) % count;
 }
@@ -88,33 +100,28 @@ int grid(int64_t n) { return static_cast<int>(std::min<int64_t>((n + 255) / 256,
 
 int gate_sigmoid(const bf16* o, const bf16* gate, bf16* out, int64_t n, CUstream_st* stream) {
   if (n == 0) return 0;
-  gate_sigmoid_kernel<<<grid(n), 256, 0, stream>>>(o, gate, out, n);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(detail::launch(gate_sigmoid_kernel, grid(n), 256, 0, stream, o, gate, out, n));
 }
 int add(const bf16* a, const bf16* b, bf16* out, int64_t n, CUstream_st* stream) {
   if (n == 0) return 0;
-  add_kernel<<<grid(n), 256, 0, stream>>>(a, b, out, n);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(detail::launch(add_kernel, grid(n), 256, 0, stream, a, b, out, n));
 }
 int to_bf16(const float* x, bf16* out, int64_t n, CUstream_st* stream) {
   if (n == 0) return 0;
-  to_bf16_kernel<<<grid(n), 256, 0, stream>>>(x, out, n);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(detail::launch(to_bf16_kernel, grid(n), 256, 0, stream, x, out, n));
 }
 int scale(float* x, float s, int64_t n, CUstream_st* stream) {
   if (n == 0) return 0;
-  scale_kernel<<<grid(n), 256, 0, stream>>>(x, s, n);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(detail::launch(scale_kernel, grid(n), 256, 0, stream, x, s, n));
 }
 int cache_write(const bf16* x, int64_t ldx, int64_t width, const bf16* norm_w, int64_t norm_cols, float eps,
                 const int32_t* pos0, int B, int q_len, const int32_t* block_tables, int max_pages, int page_size,
                 int dcp_size, int dcp_rank, bf16* pool, CUstream_st* stream) {
   const int64_t rows = int64_t{B} * q_len;
   if (rows == 0) return 0;
-  cache_write_kernel<<<static_cast<unsigned>(rows), 256, 0, stream>>>(x, ldx, width, norm_w, norm_cols, eps, pos0,
-                                                                      q_len, block_tables, max_pages, page_size,
-                                                                      dcp_size, dcp_rank, pool);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(detail::launch(cache_write_kernel, static_cast<unsigned>(rows), 256, 0, stream, x, ldx, width,
+                                         norm_w, norm_cols, eps, pos0, q_len, block_tables, max_pages, page_size,
+                                         dcp_size, dcp_rank, pool));
 }
 
 }  // namespace k3::ops::cuda
@@ -122,7 +129,6 @@ int cache_write(const bf16* x, int64_t ldx, int64_t width, const bf16* norm_w, i
 namespace k3::ops::cuda {
 int remap_experts(int32_t* idx, int64_t n, int begin, int count, CUstream_st* stream) {
   if (n == 0) return 0;
-  remap_kernel<<<grid(n), 256, 0, stream>>>(idx, n, begin, count);
-  return static_cast<int>(cudaGetLastError());
+  return static_cast<int>(detail::launch(remap_kernel, grid(n), 256, 0, stream, idx, n, begin, count));
 }
 }  // namespace k3::ops::cuda

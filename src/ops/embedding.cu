@@ -19,6 +19,8 @@ template <int VEC>
 __global__ void __launch_bounds__(kEmbThreads)
     embedding_kernel(const int32_t* __restrict__ ids, const bf16* __restrict__ table, int64_t vocab, int64_t dim,
                      bf16* __restrict__ out) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int64_t r = blockIdx.x;
   const int32_t id = ids[r];
   K3_DEVICE_ASSERT(id >= 0 && id < vocab);
@@ -45,12 +47,8 @@ int embedding(const int32_t* ids, int64_t rows, const bf16* table, int64_t vocab
   const auto threads =
       static_cast<unsigned>(std::max<int64_t>(kWarp, std::min<int64_t>(kEmbThreads, (chunks + kWarp - 1) / kWarp * kWarp)));
   const auto grid = static_cast<unsigned>(rows);
-  if (vec) {
-    embedding_kernel<8><<<grid, threads, 0, stream>>>(ids, table, vocab, dim, out);
-  } else {
-    embedding_kernel<1><<<grid, threads, 0, stream>>>(ids, table, vocab, dim, out);
-  }
-  return cudaGetLastError();
+  if (vec) return detail::launch(embedding_kernel<8>, grid, threads, 0, stream, ids, table, vocab, dim, out);
+  return detail::launch(embedding_kernel<1>, grid, threads, 0, stream, ids, table, vocab, dim, out);
 }
 
 }  // namespace k3::ops::cuda

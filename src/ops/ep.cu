@@ -21,6 +21,8 @@ using detail::kWarp;
 
 __global__ void ep_plan_kernel(const int32_t* __restrict__ idx, int64_t pairs, int experts_per_rank, int W,
                                int64_t cap, int32_t* __restrict__ slot, int32_t* __restrict__ send_ids) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int dest = blockIdx.x, lane = threadIdx.x;
   int64_t used = 0;
   for (int64_t base = 0; base < pairs; base += kWarp) {
@@ -47,6 +49,8 @@ __global__ void ep_plan_kernel(const int32_t* __restrict__ idx, int64_t pairs, i
 template <int VEC>
 __global__ void ep_rows_kernel(const bf16* __restrict__ z, const int32_t* __restrict__ slot, int k, int64_t L,
                                bf16* __restrict__ send) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int64_t i = blockIdx.x;
   const int32_t s = slot[i];
   if (s < 0) return;
@@ -62,6 +66,8 @@ __global__ void ep_rows_kernel(const bf16* __restrict__ z, const int32_t* __rest
 
 __global__ void ep_combine_kernel(const bf16* __restrict__ back, const int32_t* __restrict__ slot,
                                   const float* __restrict__ w, int64_t rows, int k, int64_t L, bf16* __restrict__ y) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < rows * L; e += int64_t{gridDim.x} * blockDim.x) {
     const int64_t r = e / L, c = e % L;
     float acc = 0.0f;
@@ -81,17 +87,16 @@ int ep_pack(const int32_t* idx, const bf16* z, int64_t rows, int k, int64_t L, i
       rows * k > 0x7fffffff)
     return cudaErrorInvalidValue;
   if (cap == 0) return cudaSuccess;
-  ep_plan_kernel<<<W, kWarp, 0, stream>>>(idx, rows * k, experts_per_rank, W, cap, slot, send_ids);
-  if (rows > 0) {
-    const bool vec = L % 8 == 0 && aligned16(z) && aligned16(send);
-    const int64_t chunks = vec ? L / 8 : L;
-    const auto threads = static_cast<unsigned>(std::clamp<int64_t>((chunks + kWarp - 1) / kWarp * kWarp, kWarp, 256));
-    if (vec)
-      ep_rows_kernel<8><<<static_cast<unsigned>(rows * k), threads, 0, stream>>>(z, slot, k, L, send);
-    else
-      ep_rows_kernel<1><<<static_cast<unsigned>(rows * k), threads, 0, stream>>>(z, slot, k, L, send);
-  }
-  return cudaGetLastError();
+  if (const cudaError_t e =
+          detail::launch(ep_plan_kernel, W, kWarp, 0, stream, idx, rows * k, experts_per_rank, W, cap, slot, send_ids);
+      e != cudaSuccess || rows == 0)
+    return e;
+  const bool vec = L % 8 == 0 && aligned16(z) && aligned16(send);
+  const int64_t chunks = vec ? L / 8 : L;
+  const auto threads = static_cast<unsigned>(std::clamp<int64_t>((chunks + kWarp - 1) / kWarp * kWarp, kWarp, 256));
+  const auto grid = static_cast<unsigned>(rows * k);
+  if (vec) return detail::launch(ep_rows_kernel<8>, grid, threads, 0, stream, z, slot, k, L, send);
+  return detail::launch(ep_rows_kernel<1>, grid, threads, 0, stream, z, slot, k, L, send);
 }
 
 int ep_combine(const bf16* back, const int32_t* slot, const float* w, int64_t rows, int k, int64_t L, bf16* y,
@@ -100,8 +105,7 @@ int ep_combine(const bf16* back, const int32_t* slot, const float* w, int64_t ro
   if (rows == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   const auto grid = static_cast<unsigned>(std::min<int64_t>((rows * L + kThreads - 1) / kThreads, 8192));
-  ep_combine_kernel<<<grid, kThreads, 0, stream>>>(back, slot, w, rows, k, L, y);
-  return cudaGetLastError();
+  return detail::launch(ep_combine_kernel, grid, kThreads, 0, stream, back, slot, w, rows, k, L, y);
 }
 
 }  // namespace k3::ops::cuda

@@ -37,6 +37,8 @@ unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + 
 __global__ void kda_gated_norm_kernel(const float* __restrict__ o, const bf16raw* __restrict__ gate, int64_t gate_ld,
                                       const float* __restrict__ w, float eps, bf16raw* __restrict__ out, int64_t pairs,
                                       int H, int dv) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int64_t p = static_cast<int64_t>(blockIdx.x) * kNormWarps + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (p >= pairs) return;
@@ -86,6 +88,8 @@ __device__ __forceinline__ float dot4(const float4& a, const float4& b) {
 // (inputs from the kept pool, n = accepted[b] tokens, no output) instead of the step.
 template <int CMAX, int RPW, bool REPLAY>
 __global__ void __launch_bounds__(kRecMaxThreads, 8) kda_rec_kernel(const RecArgs a) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
   const int b = blockIdx.z, h = blockIdx.y, H = a.H, dk = a.dk, dv = a.dv;
   const int row0 = (blockIdx.x * warps + warp) * RPW;
@@ -210,24 +214,19 @@ int rec_rows_per_warp(int B, int H, int dv) {
 }
 
 template <int RPW, bool REPLAY>
-void launch_rec_rpw(const RecArgs& a, int B, CUstream_st* stream) {
+cudaError_t launch_rec_rpw(const RecArgs& a, int B, CUstream_st* stream) {
   constexpr int warps = 4, rows_per_cta = warps * RPW;
   const dim3 grid(static_cast<unsigned>((a.dv + rows_per_cta - 1) / rows_per_cta), static_cast<unsigned>(a.H),
                   static_cast<unsigned>(B));
   const unsigned threads = static_cast<unsigned>(warps * 32);
-  if (a.dk <= 128)
-    kda_rec_kernel<1, RPW, REPLAY><<<grid, threads, 0, stream>>>(a);
-  else
-    kda_rec_kernel<2, RPW, REPLAY><<<grid, threads, 0, stream>>>(a);
+  if (a.dk <= 128) return detail::launch(kda_rec_kernel<1, RPW, REPLAY>, grid, threads, 0, stream, a);
+  return detail::launch(kda_rec_kernel<2, RPW, REPLAY>, grid, threads, 0, stream, a);
 }
 
 template <bool REPLAY>
 int launch_rec(const RecArgs& a, int B, CUstream_st* stream) {
-  if (rec_rows_per_warp(B, a.H, a.dv) == 4)
-    launch_rec_rpw<4, REPLAY>(a, B, stream);
-  else
-    launch_rec_rpw<2, REPLAY>(a, B, stream);
-  return cudaGetLastError();
+  if (rec_rows_per_warp(B, a.H, a.dv) == 4) return launch_rec_rpw<4, REPLAY>(a, B, stream);
+  return launch_rec_rpw<2, REPLAY>(a, B, stream);
 }
 
 }  // namespace
@@ -268,9 +267,9 @@ int kda_gated_norm(const float* o, const bf16* gate, int64_t gate_ld, const floa
   if (rows < 0 || H <= 0 || dv <= 0 || gate_ld < static_cast<int64_t>(H) * dv) return cudaErrorInvalidValue;
   const int64_t pairs = rows * H;
   if (pairs == 0) return cudaSuccess;
-  kda_gated_norm_kernel<<<blocks_for(pairs, kNormWarps), kNormWarps * 32, 0, stream>>>(
-      o, reinterpret_cast<const bf16raw*>(gate), gate_ld, o_norm_w, eps, reinterpret_cast<bf16raw*>(out), pairs, H, dv);
-  return cudaGetLastError();
+  return detail::launch(kda_gated_norm_kernel, blocks_for(pairs, kNormWarps), kNormWarps * 32, 0, stream, o,
+                        reinterpret_cast<const bf16raw*>(gate), gate_ld, o_norm_w, eps, reinterpret_cast<bf16raw*>(out),
+                        pairs, H, dv);
 }
 
 }  // namespace k3::ops::cuda

@@ -38,6 +38,8 @@ constexpr int kThreads = 128;  // warps: conv q, conv k, conv v, gate
 template <int NPL>
 __global__ void __launch_bounds__(kThreads)
     kda_prep_kernel(const __grid_constant__ KdaPrep p, int q_len, int max_q, int H, int d, int K) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int part = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int h = blockIdx.x, b = blockIdx.y;
   const int64_t C = int64_t{H} * d, row0 = int64_t{b} * q_len, c0 = int64_t{h} * d;
@@ -136,8 +138,7 @@ __global__ void __launch_bounds__(kThreads)
 template <int NPL>
 int launch(const KdaPrep& p, int B, int q_len, int max_q, int H, int d, int K, cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>(H), static_cast<unsigned>(B));
-  kda_prep_kernel<NPL><<<grid, kThreads, 0, s>>>(p, q_len, max_q, H, d, K);
-  return cudaGetLastError();
+  return detail::launch(kda_prep_kernel<NPL>, grid, kThreads, 0, s, p, q_len, max_q, H, d, K);
 }
 
 }  // namespace

@@ -89,6 +89,8 @@ __global__ void __launch_bounds__(kSkThreads)
     linear_skinny_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y,
                          float* __restrict__ part, bool y_f32, int rows, int64_t in, int64_t out,
                          int64_t chunks_per_split) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   extern __shared__ __align__(128) unsigned char sk_smem[];
   constexpr int kXSlot = sk_x_slot_bytes(NT);
   const uint32_t w_ring = smem_u32(sk_smem);                  // [kSkStages][128 features][128 bytes]
@@ -200,6 +202,8 @@ constexpr int kSumThreads = 256;
 __global__ void __launch_bounds__(kSumThreads)
     linear_split_sum_kernel(const float* __restrict__ part, void* __restrict__ y, bool y_f32, int64_t n,
                             int splits) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * kSumThreads + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * kSumThreads) {
     float s = part[e];
@@ -258,14 +262,14 @@ int launch_skinny(const Context& ctx, const bf16* x, const bf16* w, void* y, boo
 
   const cudaStream_t s = reinterpret_cast<cudaStream_t>(ctx.stream);
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(splits));
-  linear_skinny_kernel<NT><<<grid, kSkThreads, sk_smem_bytes(NT), s>>>(x, w, y, part, y_f32, static_cast<int>(rows),
-                                                                       in, out, chunks_per_split);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess || part == nullptr) return e;
+  if (const cudaError_t e = detail::launch(linear_skinny_kernel<NT>, grid, kSkThreads, sk_smem_bytes(NT), s, x, w, y,
+                                           part, y_f32, static_cast<int>(rows), in, out, chunks_per_split);
+      e != cudaSuccess || part == nullptr)
+    return e;
   const int64_t n = rows * out;
   const int64_t blocks = std::min<int64_t>((n + kSumThreads - 1) / kSumThreads, wave * 4);
-  linear_split_sum_kernel<<<static_cast<unsigned>(blocks), kSumThreads, 0, s>>>(part, y, y_f32, n,
-                                                                                 static_cast<int>(splits));
-  return cudaGetLastError();
+  return detail::launch(linear_split_sum_kernel, static_cast<unsigned>(blocks), kSumThreads, 0, s, part, y, y_f32, n,
+                        static_cast<int>(splits));
 }
 
 }  // namespace

@@ -36,6 +36,8 @@ template <int G>
 __global__ void __launch_bounds__(kMergeCols * G)
     lse_merge_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH, int R,
                      float* __restrict__ o, float* __restrict__ lse) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   constexpr int kMergeThreads = kMergeCols * G;
   extern __shared__ float mw[];  // [D] weights, [D] the parts' lse
   float* ls = mw + D;
@@ -111,6 +113,8 @@ constexpr int kMergeColSteps = 4;  // 128-column steps per pass: R <= 512 in one
 __global__ void __launch_bounds__(kMergeWarpRows * 32)
     lse_merge_warp_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH,
                           int R, float* __restrict__ o, float* __restrict__ lse) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t th = int64_t{blockIdx.x} * kMergeWarpRows + threadIdx.x / 32;
   if (th >= TH) return;  // warp-uniform
@@ -173,6 +177,8 @@ constexpr int kManyCols = 32, kManyWarps = 16, kManyThreads = kManyCols * kManyW
 __global__ void __launch_bounds__(kManyThreads)
     lse_merge_many_kernel(const float* __restrict__ o_parts, const float* __restrict__ lse_parts, int D, int64_t TH,
                           int R, float* __restrict__ o, float* __restrict__ lse) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   extern __shared__ float mw[];  // [D] weights (0: empty part)
   __shared__ float red[kManyWarps];
   __shared__ float part[kManyWarps][kManyCols];
@@ -252,16 +258,15 @@ int lse_merge(const float* o_parts, const float* lse_parts, int D, int64_t T, in
   // column and row, would leave most of the GPU idle there).
   if (int64_t{grid.x} * grid.y < 4 * int64_t{detail::device_sm_count()}) {
     const dim3 many(static_cast<unsigned>(TH), static_cast<unsigned>((R + kManyCols - 1) / kManyCols));
-    lse_merge_many_kernel<<<many, kManyThreads, sizeof(float) * static_cast<size_t>(D), stream>>>(
-        o_parts, lse_parts, D, TH, R, o, lse);
-  } else if (D <= 32 && R % 4 == 0 && aligned16(o_parts) && aligned16(o)) {
-    const int64_t blocks = (TH + kMergeWarpRows - 1) / kMergeWarpRows;
-    lse_merge_warp_kernel<<<static_cast<unsigned>(blocks), kMergeWarpRows * 32, 0, stream>>>(o_parts, lse_parts, D,
-                                                                                            TH, R, o, lse);
-  } else {
-    lse_merge_kernel<1><<<grid, kMergeCols, smem, stream>>>(o_parts, lse_parts, D, TH, R, o, lse);
+    return detail::launch(lse_merge_many_kernel, many, kManyThreads, sizeof(float) * static_cast<size_t>(D), stream,
+                          o_parts, lse_parts, D, TH, R, o, lse);
   }
-  return cudaGetLastError();
+  if (D <= 32 && R % 4 == 0 && aligned16(o_parts) && aligned16(o)) {
+    const int64_t blocks = (TH + kMergeWarpRows - 1) / kMergeWarpRows;
+    return detail::launch(lse_merge_warp_kernel, static_cast<unsigned>(blocks), kMergeWarpRows * 32, 0, stream, o_parts,
+                          lse_parts, D, TH, R, o, lse);
+  }
+  return detail::launch(lse_merge_kernel<1>, grid, kMergeCols, smem, stream, o_parts, lse_parts, D, TH, R, o, lse);
 }
 
 }  // namespace k3::ops::cuda

@@ -35,6 +35,8 @@ constexpr int kAbsTokens = 16;    // tokens per CTA
 __global__ void __launch_bounds__(kAbsThreads)
     mla_absorb_q_kernel(const bf16raw* __restrict__ q, const bf16raw* __restrict__ w, bf16raw* __restrict__ q_lat,
                         int64_t T, int H, int dn, int P, int dv, int R) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   extern __shared__ __align__(16) float qs[];  // [kAbsTokens][dn4] q_nope as FP32, zero padded
   const int dn4 = (dn + 3) & ~3;
   const int h = blockIdx.y;
@@ -79,6 +81,8 @@ __global__ void __launch_bounds__(kAbsThreads)
 // The cuBLASLt absorption's other half: q_lat[t, h, R:] = q_pe[t, h] (one thread per value).
 __global__ void mla_copy_pe_kernel(const bf16raw* __restrict__ q, bf16raw* __restrict__ q_lat, int64_t TH, int dn,
                                    int P, int R) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < TH * P;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t th = i / P, pp = i % P;
@@ -93,6 +97,8 @@ constexpr int kUnTokens = 8;  // tokens per CTA
 __global__ void __launch_bounds__(kUnWarps * 32)
     mla_unabsorb_kernel(const bf16raw* __restrict__ o_lat, const bf16raw* __restrict__ w, bf16raw* __restrict__ o,
                         int64_t T, int H, int dn, int dv, int R) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   extern __shared__ __align__(16) float os[];  // [kUnTokens][R]
   const int h = blockIdx.y;
   const int64_t t0 = static_cast<int64_t>(blockIdx.z) * kUnTokens;
@@ -136,9 +142,8 @@ int mla_absorb_q(const Context& ctx, const bf16* q, const bf16* w_kvb, bf16* q_l
                               int64_t{H} * (R + P), R + P, T, dn, R, H)) {
     if (P == 0) return cudaGetLastError();
     const int64_t n = T * H * P;
-    mla_copy_pe_kernel<<<static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0, stream>>>(
-        qp, lp, T * H, dn, P, R);
-    return cudaGetLastError();
+    return detail::launch(mla_copy_pe_kernel, static_cast<unsigned>(std::min<int64_t>((n + 255) / 256, 4096)), 256, 0,
+                          stream, qp, lp, T * H, dn, P, R);
   }
   const int64_t tiles = (T + kAbsTokens - 1) / kAbsTokens;
   if (tiles > 65535) return cudaErrorInvalidValue;
@@ -146,9 +151,8 @@ int mla_absorb_q(const Context& ctx, const bf16* q, const bf16* w_kvb, bf16* q_l
   if (smem > 48 * 1024) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((R + kAbsThreads - 1) / kAbsThreads), static_cast<unsigned>(H),
                   static_cast<unsigned>(tiles));
-  mla_absorb_q_kernel<<<grid, kAbsThreads, smem, stream>>>(qp, reinterpret_cast<const bf16raw*>(w_kvb), lp, T, H, dn,
-                                                           P, dv, R);
-  return cudaGetLastError();
+  return detail::launch(mla_absorb_q_kernel, grid, kAbsThreads, smem, stream, qp,
+                        reinterpret_cast<const bf16raw*>(w_kvb), lp, T, H, dn, P, dv, R);
 }
 
 int mla_unabsorb(const Context& ctx, const bf16* o_lat, const bf16* w_kvb, bf16* o, int64_t T, int H, int dn, int dv,
@@ -165,10 +169,9 @@ int mla_unabsorb(const Context& ctx, const bf16* o_lat, const bf16* w_kvb, bf16*
   if (tiles > 65535 || smem > 48 * 1024) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>((dv + kUnWarps - 1) / kUnWarps), static_cast<unsigned>(H),
                   static_cast<unsigned>(tiles));
-  mla_unabsorb_kernel<<<grid, kUnWarps * 32, smem, reinterpret_cast<cudaStream_t>(ctx.stream)>>>(
-      reinterpret_cast<const bf16raw*>(o_lat), reinterpret_cast<const bf16raw*>(w_kvb),
-      reinterpret_cast<bf16raw*>(o), T, H, dn, dv, R);
-  return cudaGetLastError();
+  return detail::launch(mla_unabsorb_kernel, grid, kUnWarps * 32, smem, reinterpret_cast<cudaStream_t>(ctx.stream),
+                        reinterpret_cast<const bf16raw*>(o_lat), reinterpret_cast<const bf16raw*>(w_kvb),
+                        reinterpret_cast<bf16raw*>(o), T, H, dn, dv, R);
 }
 
 }  // namespace k3::ops::cuda

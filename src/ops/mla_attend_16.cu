@@ -69,6 +69,8 @@ using detail::ld_u32;
 
 template <bool INDEXED>
 __global__ void __launch_bounds__(kAttThreads) mla_attend16_kernel(const AttendParams p) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   extern __shared__ __align__(16) unsigned char smem[];
   const int E = p.R + p.P;
   const int ek16 = attend_ek16(E), ek = attend_es(E);
@@ -310,8 +312,7 @@ int launch(AttendParams p, int64_t groups, int rows_per_group, void* scratch, si
   cudaError_t err = allow_optin_smem<mla_attend16_kernel<INDEXED>>();
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(mtiles), static_cast<unsigned>(sp.splits), static_cast<unsigned>(groups));
-  mla_attend16_kernel<INDEXED><<<grid, kAttThreads, smem, stream>>>(p);
-  err = cudaGetLastError();
+  err = detail::launch(mla_attend16_kernel<INDEXED>, grid, kAttThreads, smem, stream, p);
   if (err != cudaSuccess || sp.splits <= 1) return err;
   return lse_merge(o_parts, lse_parts, sp.splits, p.T, p.H, p.R, o_lat, lse, stream);
 }

@@ -127,6 +127,8 @@ __device__ __forceinline__ void qk_tile(float (&sv)[2][2][4], uint32_t q_addr, u
 
 template <bool INDEXED>
 __global__ void __launch_bounds__(kThreadsPerMT * kMaxMT, 1) mla_attend_kernel(const AttendParams p) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   extern __shared__ __align__(16) unsigned char smem[];
   const int H = p.H, R = p.R, E = p.R + p.P;
   const int ek16 = attend_ek16(E), es = attend_es(E);
@@ -433,8 +435,7 @@ cudaError_t launch_attend_mt(const AttendParams& p, const AttendShape& sh, int s
   cudaError_t err = allow_optin_smem<mla_attend_kernel<INDEXED>>();
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>(sh.mctas), static_cast<unsigned>(splits), static_cast<unsigned>(groups));
-  mla_attend_kernel<INDEXED><<<grid, kThreadsPerMT * sh.mt, smem, stream>>>(p);
-  return cudaGetLastError();
+  return detail::launch(mla_attend_kernel<INDEXED>, grid, kThreadsPerMT * sh.mt, smem, stream, p);
 }
 
 template cudaError_t launch_attend_mt<false>(const AttendParams&, const AttendShape&, int, int64_t, cudaStream_t);

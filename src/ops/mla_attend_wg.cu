@@ -117,6 +117,8 @@ __device__ __forceinline__ long long pool_row(const AttendParams& p, int64_t b, 
 template <int N>
 __global__ void __launch_bounds__(kThreads, 1)
     mla_attend_wg_kernel(const __grid_constant__ CUtensorMap tmap, const AttendParams p, const int boxr) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
 #if K3_SM90A
   using L = WgLayout<N>;
   constexpr int NA = N / 2;  // accumulator floats per m64 tile and thread
@@ -488,8 +490,7 @@ template <int N>
 cudaError_t launch_n(const CUtensorMap& tmap, const AttendParams& p, int boxr, dim3 grid, cudaStream_t stream) {
   cudaError_t err = allow_optin_smem<mla_attend_wg_kernel<N>>();
   if (err != cudaSuccess) return err;
-  mla_attend_wg_kernel<N><<<grid, kThreads, WgLayout<N>::bytes, stream>>>(tmap, p, boxr);
-  return cudaGetLastError();
+  return detail::launch(mla_attend_wg_kernel<N>, grid, kThreads, WgLayout<N>::bytes, stream, tmap, p, boxr);
 }
 
 }  // namespace

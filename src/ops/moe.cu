@@ -120,6 +120,8 @@ __device__ __forceinline__ void warp_reduce_all(float (&acc)[NW][RT]) {
 // situ_glu, mxfp4_linear
 
 __global__ void situ_kernel(const bf16* a, const bf16* b, bf16* out, int64_t n, SituParams p) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     out[i] = detail::float_to_bf16(detail::situ_dev(detail::bf16_to_float(a[i]), detail::bf16_to_float(b[i]), p));
@@ -132,6 +134,8 @@ __global__ void __launch_bounds__(kMoeThreads)
     mxfp4_linear_kernel(const bf16* __restrict__ x, const uint8_t* __restrict__ packed,
                         const uint8_t* __restrict__ scale, bf16* __restrict__ y, int64_t rows, int64_t K, int64_t N,
                         int64_t row_tiles, int64_t items) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int lane = threadIdx.x % kWarp;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kMoeWarps + threadIdx.x / kWarp;
   if (item >= items) return;
@@ -170,9 +174,8 @@ int launch_mxfp4_linear(const bf16* x, const uint8_t* packed, const uint8_t* sca
   const int64_t items = row_tiles * ((N + kNW - 1) / kNW);
   const int64_t blocks = (items + kMoeWarps - 1) / kMoeWarps;
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-  mxfp4_linear_kernel<RT>
-      <<<static_cast<unsigned>(blocks), kMoeThreads, 0, s>>>(x, packed, scale, y, rows, K, N, row_tiles, items);
-  return cudaGetLastError();
+  return detail::launch(mxfp4_linear_kernel<RT>, static_cast<unsigned>(blocks), kMoeThreads, 0, s, x, packed, scale, y,
+                        rows, K, N, row_tiles, items);
 }
 
 unsigned grid_for(int64_t threads_needed, int threads_per_block, int cap_blocks) {
@@ -185,8 +188,7 @@ unsigned grid_for(int64_t threads_needed, int threads_per_block, int cap_blocks)
 int situ_glu(const bf16* a, const bf16* b, bf16* out, int64_t n, SituParams p, CUstream_st* stream) {
   if (n < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  situ_kernel<<<grid_for(n, 256, 65535), 256, 0, stream>>>(a, b, out, n, p);
-  return cudaGetLastError();
+  return detail::launch(situ_kernel, grid_for(n, 256, 65535), 256, 0, stream, a, b, out, n, p);
 }
 
 int mxfp4_linear(const bf16* x, const uint8_t* packed, const uint8_t* scale, bf16* y, int64_t rows, int64_t K,

@@ -112,6 +112,8 @@ constexpr int kPlanThreads = 1024;
 __global__ void __launch_bounds__(kPlanThreads)
     moe_plan_kernel(const int32_t* __restrict__ idx, int64_t pairs, int expert_begin, int expert_count, int cols,
                     Plan plan) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   extern __shared__ int plan_smem[];  // cnt [expert_count], cursor [expert_count]
   __shared__ int wt[kPlanThreads / kWarp][kScanN];
   int* cnt = plan_smem;
@@ -282,6 +284,8 @@ template <bool UP>
 __global__ void __launch_bounds__(kSplitThreads, 2)
     moe_mma_splitk_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
                    int64_t K, int64_t N, int64_t tiles_per_slot, int team_warps, SituParams sp) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   constexpr int NT = 1;
   constexpr int kAcc = 2 * NT * 4;  // two A operands x NT token tiles x 4 accumulators per lane
   // The table; holes: part [kSplitWarps][kAcc][kWarp] FP32 (warp w of team t: entry t team_warps + w).
@@ -454,6 +458,8 @@ template <int NT, bool UP>
 __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
     moe_mma_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
                    int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   constexpr int kCols = NT * kTokTile;  // token columns per pass
   // The table; holes: the ring [kStages][kCols][kChunkK] BF16, pieces swizzled. A token column's 256
   // bytes are two holes, so column c of a stage is at stage_base + 512 c + hole_offset(piece offset).
@@ -671,9 +677,8 @@ int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, b
   const int team_warps = items <= slots ? kSplitWarps : kSplitWarps / 2;
   const int64_t teams = kSplitWarps / team_warps;
   const int64_t blocks = std::min<int64_t>((items + teams - 1) / teams, slots);
-  moe_mma_splitk_kernel<UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kSplitThreads, kLutBytes, s>>>(
-      x, plan, ex, out, k, K, N, tiles, team_warps, sp);
-  return cudaGetLastError();
+  return detail::launch(moe_mma_splitk_kernel<UP>, static_cast<unsigned>(std::max<int64_t>(1, blocks)), kSplitThreads,
+                        kLutBytes, s, x, plan, ex, out, k, K, N, tiles, team_warps, sp);
 }
 
 template <int NT, bool UP>
@@ -687,9 +692,8 @@ int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16
   const int64_t max_units = gps * std::min<int64_t>(pairs, max_slots + pairs / (NT * kTokTile));
   const int64_t blocks =
       std::min<int64_t>(max_units, int64_t{sms} * ctas_per_sm<moe_mma_kernel<NT, UP>>(kMmaThreads, kLutBytes));
-  moe_mma_kernel<NT, UP><<<static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads, kLutBytes, s>>>(
-      x, plan, ex, out, k, K, N, tiles, sp);
-  return cudaGetLastError();
+  return detail::launch(moe_mma_kernel<NT, UP>, static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads,
+                        kLutBytes, s, x, plan, ex, out, k, K, N, tiles, sp);
 }
 
 template <bool UP>
@@ -705,6 +709,8 @@ int launch_mma_nt(int nt, const bf16* x, const Plan& plan, const Mxfp4ExpertTabl
 __global__ void moe_combine_kernel(const bf16* __restrict__ o, const int32_t* __restrict__ idx,
                                    const float* __restrict__ w, int expert_begin, int expert_count, bf16* __restrict__ y,
                                    int64_t rows, int k, int64_t L) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int64_t L8 = L / 8, total = rows * L8;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -754,15 +760,16 @@ int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const flo
   const int64_t mean = max_slots > 0 ? (pairs + max_slots - 1) / max_slots : 1;
   const int nt = mean <= 4 ? 1 : mean <= 12 ? 2 : 3;
   const size_t plan_smem = 2 * static_cast<size_t>(expert_count) * sizeof(int);
-  moe_plan_kernel<<<1, kPlanThreads, plan_smem, s>>>(idx, pairs, expert_begin, expert_count, kTokTile * nt, plan);
-  if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (const cudaError_t e = detail::launch(moe_plan_kernel, 1, kPlanThreads, plan_smem, s, idx, pairs, expert_begin,
+                                           expert_count, kTokTile * nt, plan);
+      e != cudaSuccess)
+    return e;
   if (max_slots > 0) {
     if (const int e = launch_mma_nt<true>(nt, z, plan, experts, h, k, L, I, max_slots, pairs, p, sms, s); e != 0) return e;
     if (const int e = launch_mma_nt<false>(nt, h, plan, experts, o, k, I, L, max_slots, pairs, p, sms, s); e != 0) return e;
   }
-  moe_combine_kernel<<<grid_for(rows * L / 8, 256, 8 * sms), 256, 0, s>>>(o, idx, w, expert_begin, expert_count, y,
-                                                                         rows, k, L);
-  return cudaGetLastError();
+  return detail::launch(moe_combine_kernel, grid_for(rows * L / 8, 256, 8 * sms), 256, 0, s, o, idx, w, expert_begin,
+                        expert_count, y, rows, k, L);
 }
 
 }  // namespace k3::ops::cuda

@@ -4,6 +4,7 @@
 
 #include "core/cuda.h"
 #include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
 #include "ops/reduce.h"
 
 namespace k3::ops::cuda {
@@ -21,6 +22,8 @@ __device__ __forceinline__ void store(bf16* p, int64_t i, float v) { p[i] = deta
 
 template <typename T>
 __global__ void reduce_sum_kernel(Parts<T> parts, int n, T* out, int64_t count) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
     float s = 0.0f;
     for (int p = 0; p < n; ++p) s = __fadd_rn(s, load(parts.p[p], i));
@@ -36,8 +39,7 @@ int launch(const T* const* parts, int n, T* out, int64_t count, CUstream_st* str
   for (int p = 0; p < n; ++p) ps.p[p] = parts[p];
   constexpr int kThreads = 256;
   const auto grid = static_cast<unsigned>(std::min<int64_t>((count + kThreads - 1) / kThreads, 4096));
-  reduce_sum_kernel<T><<<grid, kThreads, 0, stream>>>(ps, n, out, count);
-  return cudaGetLastError();
+  return detail::launch(reduce_sum_kernel<T>, grid, kThreads, 0, stream, ps, n, out, count);
 }
 
 }  // namespace

@@ -35,6 +35,8 @@ __device__ __forceinline__ void load_weight(const float* w, float (&f)[VEC]) {
 template <typename W, int VEC>
 __global__ void __launch_bounds__(kNormMaxThreads)
     rmsnorm_kernel(const bf16* x, const W* __restrict__ w, bf16* out, int64_t dim, float eps) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   __shared__ float red[kWarp];
   const bf16* xr = x + blockIdx.x * dim;
   bf16* yr = out + blockIdx.x * dim;
@@ -62,6 +64,8 @@ template <int VEC>
 __global__ void __launch_bounds__(kNormMaxThreads)
     layernorm_kernel(const bf16* x, const bf16* __restrict__ w, const bf16* __restrict__ b, bf16* out, int64_t dim,
                      float eps) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   __shared__ float red[kWarp];
   const bf16* xr = x + blockIdx.x * dim;
   bf16* yr = out + blockIdx.x * dim;
@@ -112,12 +116,8 @@ int rmsnorm_launch(const bf16* x, const W* w, bf16* out, int64_t rows, int64_t d
   if (rows == 0) return cudaSuccess;
   const bool vec = dim % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(out);
   const auto grid = static_cast<unsigned>(rows);
-  if (vec) {
-    rmsnorm_kernel<W, 8><<<grid, norm_threads(dim / 8), 0, s>>>(x, w, out, dim, eps);
-  } else {
-    rmsnorm_kernel<W, 1><<<grid, norm_threads(dim), 0, s>>>(x, w, out, dim, eps);
-  }
-  return cudaGetLastError();
+  if (vec) return detail::launch(rmsnorm_kernel<W, 8>, grid, norm_threads(dim / 8), 0, s, x, w, out, dim, eps);
+  return detail::launch(rmsnorm_kernel<W, 1>, grid, norm_threads(dim), 0, s, x, w, out, dim, eps);
 }
 
 }  // namespace
@@ -136,12 +136,8 @@ int layernorm(const bf16* x, const bf16* w, const bf16* b, bf16* out, int64_t ro
   if (rows == 0) return cudaSuccess;
   const bool vec = dim % 8 == 0 && aligned16(x) && aligned16(w) && aligned16(b) && aligned16(out);
   const auto grid = static_cast<unsigned>(rows);
-  if (vec) {
-    layernorm_kernel<8><<<grid, norm_threads(dim / 8), 0, stream>>>(x, w, b, out, dim, eps);
-  } else {
-    layernorm_kernel<1><<<grid, norm_threads(dim), 0, stream>>>(x, w, b, out, dim, eps);
-  }
-  return cudaGetLastError();
+  if (vec) return detail::launch(layernorm_kernel<8>, grid, norm_threads(dim / 8), 0, stream, x, w, b, out, dim, eps);
+  return detail::launch(layernorm_kernel<1>, grid, norm_threads(dim), 0, stream, x, w, b, out, dim, eps);
 }
 
 }  // namespace k3::ops::cuda

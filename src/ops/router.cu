@@ -148,6 +148,8 @@ template <int G>
 __global__ void __launch_bounds__(kTopkMaxThreads)
     route_topk_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k, bool renormalize,
                       float scale, int32_t* __restrict__ idx, float* __restrict__ w) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   constexpr int P = kTopkItems;
   constexpr int kPerCand = kWarp / G;  // threads per candidate in step 2
   __shared__ uint64_t cand[kTopkMaxWarps * G];
@@ -225,6 +227,8 @@ __device__ __forceinline__ bool better(float v, int e, float bv, int be) {
 __global__ void __launch_bounds__(kRouteThreads)
     route_rounds_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E, int k,
                         bool renormalize, float scale, int32_t* __restrict__ idx, float* __restrict__ w) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   extern __shared__ float key[];  // [E]
   __shared__ float wv[kRouteThreads / kWarp];
   __shared__ int we[kRouteThreads / kWarp];
@@ -283,16 +287,15 @@ int route(const float* logits, const float* bias, int64_t T, int E, int k, bool 
   const auto rows = static_cast<unsigned>(T);
   if (k <= kTopkMaxK && E <= kTopkMaxExperts) {
     const int warps = (E + kWarp * kTopkItems - 1) / (kWarp * kTopkItems);  // 1 .. kTopkMaxWarps
-    if (k <= 16) {
-      route_topk_kernel<16><<<rows, warps * kWarp, 0, stream>>>(logits, bias, E, k, renormalize, scale, idx, w);
-    } else {
-      route_topk_kernel<32><<<rows, warps * kWarp, 0, stream>>>(logits, bias, E, k, renormalize, scale, idx, w);
-    }
-  } else {
-    const size_t smem = static_cast<size_t>(E) * sizeof(float);  // <= 48 KiB: E <= kRouteMaxExperts
-    route_rounds_kernel<<<rows, kRouteThreads, smem, stream>>>(logits, bias, E, k, renormalize, scale, idx, w);
+    if (k <= 16)
+      return detail::launch(route_topk_kernel<16>, rows, warps * kWarp, 0, stream, logits, bias, E, k, renormalize,
+                            scale, idx, w);
+    return detail::launch(route_topk_kernel<32>, rows, warps * kWarp, 0, stream, logits, bias, E, k, renormalize, scale,
+                          idx, w);
   }
-  return cudaGetLastError();
+  const size_t smem = static_cast<size_t>(E) * sizeof(float);  // <= 48 KiB: E <= kRouteMaxExperts
+  return detail::launch(route_rounds_kernel, rows, kRouteThreads, smem, stream, logits, bias, E, k, renormalize, scale,
+                        idx, w);
 }
 
 }  // namespace k3::ops::cuda

@@ -478,6 +478,8 @@ __device__ void draw(const Params& p, int r, const float* __restrict__ l, RowSta
 
 template <int STAGE>
 __global__ void __launch_bounds__(kThreads, 2) sample_stage(const Params p) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   __shared__ Smem sh;
   const int r = static_cast<int>(blockIdx.x / static_cast<unsigned>(p.S));
   const int j = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.S));
@@ -683,8 +685,7 @@ size_t row_bytes(int64_t V, int64_t forced) {
 
 template <int STAGE>
 cudaError_t launch(const Params& p, int64_t rows, cudaStream_t stream) {
-  sample_stage<STAGE><<<static_cast<unsigned>(rows * p.S), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return detail::launch(sample_stage<STAGE>, static_cast<unsigned>(rows * p.S), kThreads, 0, stream, p);
 }
 
 }  // namespace

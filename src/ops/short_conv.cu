@@ -5,6 +5,7 @@
 // slot's committed state, n = accepted[b].
 #include <cuda_runtime.h>
 
+#include "ops/cuda_device.cuh"
 #include "ops/short_conv.h"
 
 namespace k3::ops::cuda {
@@ -16,6 +17,8 @@ constexpr int kThreads = 256;
 __global__ void short_conv_commit_kernel(const float* __restrict__ x_kept, float* __restrict__ conv_pool,
                                          const int32_t* __restrict__ slots, const int32_t* __restrict__ accepted,
                                          int max_q, int64_t C, int K) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (c >= C) return;
   const int b = blockIdx.y;
@@ -47,8 +50,8 @@ int short_conv_commit(const float* x_kept, float* conv_pool, const int32_t* slot
   if (K < 1 || K > kMaxK || C <= 0 || B < 0 || max_q < 1) return cudaErrorInvalidValue;
   if (B == 0 || K == 1) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>((C + kThreads - 1) / kThreads), static_cast<unsigned>(B));
-  short_conv_commit_kernel<<<grid, kThreads, 0, stream>>>(x_kept, conv_pool, slots, accepted, max_q, C, K);
-  return cudaGetLastError();
+  return detail::launch(short_conv_commit_kernel, grid, kThreads, 0, stream, x_kept, conv_pool, slots, accepted, max_q,
+                        C, K);
 }
 
 }  // namespace k3::ops::cuda
