@@ -23,43 +23,9 @@ case "$phase" in
   all | check | ab) ;;
   *) echo "usage: scripts/device-pdl.sh [all|check|ab]" >&2; exit 2 ;;
 esac
-start=$(date +%s)
-deadline=$((start + ${K3_DEADLINE_S:-470}))
+name=pdl
+source scripts/device-lib.sh
 ab_reserve=${K3_AB_RESERVE_S:-260}
-out="${OUT:-out/pdl}"
-logs="$out/logs"
-mkdir -p "$logs"
-: >"$out/steps.txt"
-[ -f .deps/env.sh ] && source .deps/env.sh
-export PATH="$PATH:/usr/local/cuda/bin"  # compute-sanitizer, nvcc
-bin=build-gpu
-export LD_LIBRARY_PATH="$bin:${LD_LIBRARY_PATH:-}"
-# K3_COMMIT names the build when the device copy has no git history (as scripts/gpu-test.sh).
-commit="${K3_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-status=0
-
-# step NAME CAP CMD...: CMD under timeout, CAP seconds or what is left before $until less 15 s (the
-# archive), its output in $logs/NAME.log, its exit status in steps.txt.
-until=$deadline
-step() {
-  local name=$1 cap=$2
-  shift 2
-  local left=$((until - $(date +%s) - 15))
-  if [ "$left" -lt 10 ]; then
-    echo "$name: skipped (no time left)" | tee -a "$out/steps.txt"
-    status=1
-    return
-  fi
-  [ "$cap" -gt "$left" ] && cap=$left
-  local t0
-  t0=$(date +%s)
-  timeout -k 10 "$cap" "$@" >"$logs/$name.log" 2>&1
-  local rc=$?
-  local note=""
-  [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && note=", timed out"
-  echo "$name: rc=$rc ($(($(date +%s) - t0)) s of $cap$note)" | tee -a "$out/steps.txt"
-  [ "$rc" -eq 0 ] || status=1
-}
 
 {
   echo "commit $commit, phase $phase"
@@ -188,12 +154,4 @@ EOF
   cat "$out/summary.txt"
 fi
 
-echo "status $status, $(($(date +%s) - start)) s" | tee -a "$out/steps.txt"
-cp "$out/steps.txt" "$out/machine.txt" "$logs/" 2>/dev/null
-[ -f "$out/summary.txt" ] && cp "$out/summary.txt" "$logs/"
-if tar czf "$out/all.tgz" -C "$out" logs; then
-  rm -rf "$logs" "$out/machine.txt"
-else
-  status=1
-fi
-exit $status
+finish $([ -f "$out/summary.txt" ] && echo "$out/summary.txt")

@@ -91,6 +91,10 @@ inline size_t moe_experts_scratch_bytes(int64_t rows, int k, int64_t L, int64_t 
 // every expert output is the CPU expert_mlp's (BF16). Rows with no local expert get 0. L, I multiples of 32;
 // expert_count <= kMoeMaxLocalExperts; scratch: moe_experts_scratch_bytes(rows, k, L, I), 16-byte aligned.
 constexpr int kMoeMaxLocalExperts = 6144;
+// The up and down GEMMs run the warp-specialized wgmma kernel (moe_experts_wg.cu, a prototype) when L and I
+// are multiples of 64 and either K3_MOE_WG=1 was in the environment at the first call or this set it
+// (tests); false: today's kernels.
+void moe_experts_force_wg(bool on);
 int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const float* w, const Mxfp4ExpertTable& experts,
                 int expert_begin, int expert_count, bf16* y, void* scratch, int64_t rows, int k, int64_t L, int64_t I,
                 SituParams p);

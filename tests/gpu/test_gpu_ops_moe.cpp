@@ -1,5 +1,6 @@
 // GPU tests of the MoE CUDA ops, each against its CPU reference on random inputs (fixed seeds): situ_glu,
-// mxfp4_linear, expert_mlp, mlp, moe_experts (the K3 rank slice: 28 of 896 experts, k = 16) and route
+// mxfp4_linear, expert_mlp, mlp, moe_experts (the K3 rank slice: 28 of 896 experts, k = 16; also through
+// the warp-specialized wgmma kernel, moe_experts_force_wg) and route
 // (the CPU tests: tests/test_ops_moe.cpp).
 //
 // Tolerances come from the output dtype. BF16 keeps 8 significant bits: an FP32 result that the GPU
@@ -10,7 +11,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "core/mxfp4.h"
@@ -325,8 +328,8 @@ TEST(CudaMoe, MoeExpertsMatchesCpuSmall) {
   check_moe_experts({24, 2, 64, 96, 4, 0, 4, 2}, 9160);
 }
 
-TEST(CudaMoe, MoeExpertsMatchesCpuWholeChunks) {
-  K3_REQUIRE_GPU();
+// K3's chunking: the cases of the two WholeChunks tests.
+void check_moe_experts_whole_chunks() {
   // K a multiple of 128 both ways (every chunk whole, as at the K3 shapes). 96 pairs per expert: 4 passes
   // of 24 tokens; UP 24 row tiles, DOWN 8.
   check_moe_experts({96, 4, 256, 384, 4, 0, 4, 4}, 9300);
@@ -337,6 +340,49 @@ TEST(CudaMoe, MoeExpertsMatchesCpuWholeChunks) {
   // 2 pairs per expert (split K): 8 experts x 192 UP row tiles, more items than one wave of CTAs (teams of
   // 4 warps); DOWN 8 x 16 items (teams of 8).
   check_moe_experts({8, 2, 512, 3072, 8, 0, 8, 2}, 9330);
+}
+
+TEST(CudaMoe, MoeExpertsMatchesCpuWholeChunks) {
+  K3_REQUIRE_GPU();
+  check_moe_experts_whole_chunks();
+}
+
+// The same cases through the warp-specialized wgmma kernel (moe_experts_wg.cu; L and I multiples of 64,
+// else moe_experts takes today's kernels), then back to what K3_MOE_WG asks for.
+struct ForceWg {
+  ForceWg() { ops::cuda::moe_experts_force_wg(true); }
+  ~ForceWg() {
+    const char* e = std::getenv("K3_MOE_WG");
+    ops::cuda::moe_experts_force_wg(e != nullptr && std::string(e) == "1");
+  }
+};
+
+TEST(CudaMoe, MoeExpertsWgMatchesCpuSmall) {
+  K3_REQUIRE_GPU();
+  const ForceWg wg;
+  // Shapes it takes: one row tile and one stage (L 64), several of each; 1..33 rows; passes of 32 columns.
+  for (int64_t rows : {1, 7, 33}) check_moe_experts({rows, 4, 64, 128, 16, 4, 8, 4}, 9400 + rows);
+  check_moe_experts({5, 3, 128, 64, 6, 0, 6, 3}, 9410);
+  // 96 pairs on each of 4 experts: 3 passes of 32 columns.
+  check_moe_experts({96, 4, 128, 192, 4, 0, 4, 4}, 9420);
+  // UP: one stage per item and several items per CTA, so the load cursor crosses items within its depth.
+  check_moe_experts({40, 4, 64, 4096, 16, 0, 16, 4}, 9430);
+  // Shapes it leaves to today's kernels (I = 96, 160: not multiples of 64).
+  check_moe_experts({33, 4, 64, 96, 16, 4, 8, 4}, 9033);
+  check_moe_experts({96, 4, 96, 160, 4, 0, 4, 4}, 9150);
+}
+
+TEST(CudaMoe, MoeExpertsWgMatchesCpuWholeChunks) {
+  K3_REQUIRE_GPU();
+  const ForceWg wg;
+  check_moe_experts_whole_chunks();
+}
+
+TEST(CudaMoe, MoeExpertsWgMatchesCpuK3RankSlice) {
+  K3_REQUIRE_GPU();
+  const ForceWg wg;
+  check_moe_experts({1, 16, 3584, 3072, 896, 280, 28, 2}, 9200);
+  check_moe_experts({64, 16, 3584, 3072, 896, 280, 28, 3}, 9201);
 }
 
 TEST(CudaMoe, MoeExpertsRejectsBadArguments) {
