@@ -14,8 +14,8 @@
 //     items: the next item's first stages load while this one's last ones decode),
 //     decoded through the 64 KiB conflict-free table (fill_lut) times the scale, stored as BF16 rows of
 //     128 bytes (row r's 16-byte chunk j at chunk j ^ (r % 8)); the token columns' activations (x rows, BF16)
-//     the same way, columns past the pass's count zero. Two stages per step (their table lookups overlap),
-//     then one fence.proxy.async and an arrive on each stage's full mbarrier.
+//     the same way, columns past the pass's count zero. Then fence.proxy.async and an arrive on the
+//     stage's full mbarrier.
 // Items = (slot, 64 output rows, pass of up to 32 token columns) from the plan (made with cols = kWgCols):
 // item u is pass u / tiles, row tile u % tiles; CTA b takes items b, b + grid, ... Both roles walk the same
 // items; the ring's stage counter runs on across items.
@@ -25,13 +25,12 @@
 // The products are exact (BF16 x dequantized E2M1 times a power of two); only the FP32 summation order
 // differs from the CPU. Requires K and N multiples of 64 (else cudaErrorNotSupported, nothing launched).
 //
-// Shared memory: the table on a 64 KiB boundary of the shared window (up to 64 KiB of slack before it; the
-// mbarriers in its first hole), then the ring of kStages stages: A tiles (UP: W1 then W3, 8 KiB each), then
-// the B tile (32 x 128 bytes). mbarriers: full (8 decoder-warp arrivals), empty (4 consumer-warp arrivals
-// after wgmma_wait).
+// Shared memory (1024-byte aligned base): the table (64 KiB; the mbarriers in its first hole), then the
+// ring of kStages stages: A tiles (UP: W1 then W3, 8 KiB each), then the B tile (32 x 128 bytes).
+// mbarriers: full (8 decoder-warp arrivals), empty (4 consumer-warp arrivals after wgmma_wait).
 //
-// ptxas (sm_90a, nvcc 13.0): UP 139 registers, DOWN 167 (of 168 at 384 threads), no spills, no static
-// shared memory, no wgmma serialization advisory. Dynamic shared memory: UP 212,992 B, DOWN 180,224 B.
+// ptxas (sm_90a, nvcc 13.0): UP 150 registers, DOWN 167 (of 168 at 384 threads), no spills, no static shared memory, no wgmma
+// serialization advisory. Dynamic shared memory: UP 148,480 B, DOWN 115,712 B (with the 1 KiB slack).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -71,24 +70,20 @@ constexpr int kRows = 64;            // output rows per item (wgmma M)
 constexpr int kCols = kWgCols;       // token columns per pass (wgmma N)
 constexpr uint32_t kATile = kRows * 128;  // 8 KiB
 constexpr uint32_t kBTile = kCols * 128;  // 4 KiB
-// The table starts on a 64 KiB boundary of the shared window, so a lookup's address is one byte permute of
-// the packed weights and the lane's column address (no add): see lut_x8.
-constexpr uint32_t kLutAlign = 1u << 16;
 
 template <bool UP>
 struct WgLayout {
   static constexpr int M = UP ? 2 : 1;                       // A operands
   static constexpr uint32_t stage = M * kATile + kBTile;     // bytes per stage (a multiple of 1024)
   static constexpr uint32_t ring = static_cast<uint32_t>(kLutBytes);
-  static constexpr uint32_t bytes = kLutAlign + ring + kStages * stage;  // + the table's alignment slack
+  static constexpr uint32_t bytes = ring + kStages * stage + 1024;  // + the alignment slack
   // Decoder work per stage: each thread decodes kVals consecutive values of one row of one operand.
   static constexpr int kVals = M * kRows * kStageK / kDecThreads;  // UP 32, DOWN 16
   static constexpr int kWords = kVals / 8;                          // packed 32-bit words per thread
   static constexpr int kTpr = kStageK / kVals;                      // threads per row
   // Stages each decoder thread keeps loading ahead (registers): enough bytes in flight per SM to cover the
   // memory latency with one CTA per SM (UP moves 4 KiB of weights a stage, DOWN 2 KiB).
-  static constexpr int kDepth = UP ? 8 : 16;  // even: the decoders produce two stages per step
-  static_assert(kDepth % 2 == 0, "stages are produced in pairs");
+  static constexpr int kDepth = UP ? 8 : 16;
   static_assert(stage % 1024 == 0, "swizzled tiles stay 1024-byte aligned");
   static_assert(kVals == 16 || kVals == 32, "one scale group per thread");
   static_assert(kCols * 8 <= kDecThreads, "one activation chunk per decoder thread");
@@ -104,22 +99,6 @@ __device__ __forceinline__ uint2 ldg_l2_256_v2(const void* p) {
   uint2 v;
   asm volatile("ld.global.nc.L2::256B.v2.u32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
-}
-
-// 8 E2M1 nibbles of w -> 4 BF16x2 words from the table (e2m1x8_to_bf16x8 in moe_experts.cuh without the
-// add): col = the table's address (64 KiB aligned: low 16 bits zero) | 4 lane; the permute takes byte 0
-// and bytes 2..3 from col and byte p of w as byte 1 (selector nibbles 4, p, 6, 7). Not volatile: the table
-// is constant once filled, so the compiler may batch the lookups of several words and stages.
-__device__ __forceinline__ uint32_t lut_ld(uint32_t addr) {
-  uint32_t v;
-  asm("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void lut_x8(uint32_t col, uint32_t w, uint32_t (&out)[4]) {
-  out[0] = lut_ld(__byte_perm(w, col, 0x7604u));
-  out[1] = lut_ld(__byte_perm(w, col, 0x7614u));
-  out[2] = lut_ld(__byte_perm(w, col, 0x7624u));
-  out[3] = lut_ld(__byte_perm(w, col, 0x7634u));
 }
 
 // The slot of pass p: the last one whose passes begin at or before it (slot_pass_begin ascends).
@@ -164,7 +143,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   using L = WgLayout<UP>;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
-  const uint32_t base = (raw + kLutAlign - 1) & ~(kLutAlign - 1);  // the table
+  const uint32_t base = (raw + 1023u) & ~1023u;
   unsigned char* sm = smem_raw + (base - raw);
   const uint32_t ring = base + L::ring;
   auto full_bar = [&](int s) { return base + hole_offset(8u * s); };
@@ -188,7 +167,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp >= kConsumerThreads / kWarp) {
     // ---------------------------------------------------------------- decoders
     const int d = tid - kConsumerThreads;
-    const uint32_t lut_col = base | (4u * static_cast<uint32_t>(lane));  // the lane's column of the table
+    const uint32_t lut_s = base, lane4 = 4u * static_cast<uint32_t>(lane);
     // Weights: row-operand ro = d / kTpr (operand ro / 64, row ro % 64), values sub * kVals .. + kVals - 1.
     const int ro = d / L::kTpr, sub = d % L::kTpr;
     const int m = ro / kRows, r = ro % kRows;
@@ -250,41 +229,29 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int j = 0; j < L::kDepth; ++j)
       if (j < total) load_next(buf[j]);
-    // Stage t's data (buf) decoded into ring slot t % kStages.
-    auto produce = [&](const Ld& v, int64_t t) {
-      const uint32_t st = ring + static_cast<uint32_t>(t % kStages) * L::stage;
-      const __nv_bfloat162 sc = e8m0_or_zero(v.sc);
-#pragma unroll
-      for (int w = 0; w < L::kWords; ++w) {
-        uint32_t o[4];
-        lut_x8(lut_col, v.w[w], o);
-#pragma unroll
-        for (int p = 0; p < 4; ++p) o[p] = scale_bf16x2(o[p], sc);
-        const uint32_t c = static_cast<uint32_t>(sub * L::kWords + w);
-        st_shared_v4(st + a_off + ((c ^ (r & 7)) << 4), make_uint4(o[0], o[1], o[2], o[3]));
-      }
-      if (d < kCols * 8) st_shared_v4(st + b_off, v.xv);
-    };
-    auto empty_parity = [](int64_t t) { return (static_cast<uint32_t>(t / kStages) & 1u) ^ 1u; };
-    // Two stages per step: their lookups overlap, and one proxy fence covers both.
     for (int64_t t0 = 0; t0 < total; t0 += L::kDepth) {
 #pragma unroll
-      for (int j = 0; j < L::kDepth; j += 2) {
-        const int64_t t = t0 + j;
+      for (int j = 0; j < L::kDepth; ++j) {
+        const int64_t t = t0 + j;  // the stage produced: ring slot t % kStages
         if (t >= total) break;
-        const bool two = t + 1 < total;
-        mbar_wait(empty_bar(static_cast<int>(t % kStages)), empty_parity(t));
-        if (two) mbar_wait(empty_bar(static_cast<int>((t + 1) % kStages)), empty_parity(t + 1));
-        produce(buf[j], t);
-        if (two) produce(buf[j + 1], t + 1);
+        const int slot = static_cast<int>(t % kStages);
+        mbar_wait(empty_bar(slot), (static_cast<uint32_t>(t / kStages) & 1u) ^ 1u);
+        const uint32_t st = ring + slot * L::stage;
+        const __nv_bfloat162 sc = e8m0_or_zero(buf[j].sc);
+#pragma unroll
+        for (int w = 0; w < L::kWords; ++w) {
+          uint32_t v[4];
+          e2m1x8_to_bf16x8(lut_s, lane4, buf[j].w[w], v);
+#pragma unroll
+          for (int p = 0; p < 4; ++p) v[p] = scale_bf16x2(v[p], sc);
+          const uint32_t c = static_cast<uint32_t>(sub * L::kWords + w);
+          st_shared_v4(st + a_off + ((c ^ (r & 7)) << 4), make_uint4(v[0], v[1], v[2], v[3]));
+        }
+        if (d < kCols * 8) st_shared_v4(st + b_off, buf[j].xv);
         fence_proxy_async();  // these generic-proxy writes before the consumer's wgmma reads them
         __syncwarp();
-        if (lane == 0) {
-          mbar_arrive(full_bar(static_cast<int>(t % kStages)));
-          if (two) mbar_arrive(full_bar(static_cast<int>((t + 1) % kStages)));
-        }
+        if (lane == 0) mbar_arrive(full_bar(slot));
         if (t + L::kDepth < total) load_next(buf[j]);
-        if (t + 1 + L::kDepth < total) load_next(buf[j + 1]);
       }
     }
     return;
