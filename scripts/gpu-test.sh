@@ -80,10 +80,16 @@ done | tee "$out/generate_steps.log"
 if [ "$bench" = 1 ]; then
   # K3_COMMIT names the build when the binaries were carried (the device copy's git HEAD can be stale).
   commit="${K3_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+  # One process per variant and step mode, as a deployment builds one rank (in one process the hybrid
+  # rank was built after the stock one was freed, and its one-row points ran slower: docs/PERF.md).
   for v in k3 k3.1; do
-    "$bin/k3decode" bench --preset k3-rank-slice --variant "$v" --tp 8 --dp 4 --rank 0 --context 8192 \
-      --batches 1 8 32 64 --q 1 4 --iters 50 --commit "$commit" --json "$out/rank_slice_$v.json" \
-      2>&1 | tee "$out/bench_$v.log" || status=1
+    for st in stock hybrid; do
+      "$bin/k3decode" bench --preset k3-rank-slice --variant "$v" --tp 8 --dp 4 --rank 0 --context 8192 \
+        --batches 1 8 32 64 --q 1 4 --iters 50 --steps "$st" --commit "$commit" \
+        --json "$out/rank_slice_${v}_$st.json" 2>&1 | tee "$out/bench_${v}_$st.log" || status=1
+    done
+    python3 -c 'import json, sys; json.dump([r for f in sys.argv[2:] for r in json.load(open(f))], open(sys.argv[1], "w"), indent=1)' \
+      "$out/rank_slice_$v.json" "$out/rank_slice_${v}_stock.json" "$out/rank_slice_${v}_hybrid.json" || status=1
   done
   if [ "$history" = 1 ]; then
     python3 scripts/perf-history.py "$out/rank_slice_k3.json" "$out/rank_slice_k3.1.json" || status=1
