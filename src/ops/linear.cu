@@ -128,25 +128,10 @@ __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16
   }
 }
 
-// The weight bytes of block b's tile (rows 4 (b / row_tiles) .. of W, contiguous) into L2, a 128-byte line
-// per thread at a time. The weights are constant, so the kernels issue this before pdl_wait: under
-// programmatic dependent launch the weights stream in while the previous kernel finishes.
-__device__ __forceinline__ void prefetch_tile_w(const bf16* w, int64_t in, int64_t out, int64_t row_tiles,
-                                                int64_t block) {
-  constexpr int kLine = 128;
-  const int64_t o0 = block / row_tiles * kLinOut;
-  const int64_t no = min(static_cast<int64_t>(kLinOut), out - o0);
-  const size_t first = __cvta_generic_to_global(w + o0 * in) & ~size_t{kLine - 1};
-  const size_t end = __cvta_generic_to_global(w + (o0 + no) * in);
-  for (size_t a = first + threadIdx.x * size_t{kLine}; a < end; a += size_t{kLinThreads} * kLine)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-}
-
 template <int RT, int VEC>
 __global__ void __launch_bounds__(kLinThreads)
     linear_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, bool y_f32,
                        int64_t rows, int64_t in, int64_t x_ld, int64_t out, int64_t row_tiles) {
-  prefetch_tile_w(w, in, out, row_tiles, blockIdx.x);  // constant data: before the wait
   detail::pdl_wait();
   detail::pdl_launch_dependents();
   __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
@@ -174,7 +159,6 @@ __global__ void __launch_bounds__(kLinThreads)
 #pragma unroll
   for (int k = 1; k < kLinearGroupMax; ++k)
     if (k < g.n && b >= g.begin[k]) j = k;
-  prefetch_tile_w(g.w[j], in, g.out[j], row_tiles, b - g.begin[j]);  // constant data: before the wait
   detail::pdl_wait();
   detail::pdl_launch_dependents();
   __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
