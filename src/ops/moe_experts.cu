@@ -676,22 +676,16 @@ int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const flo
   const int64_t mean = max_slots > 0 ? (pairs + max_slots - 1) / max_slots : 1;
   const int nt = mean <= 4 ? 1 : mean <= 12 ? 2 : 3;
   const size_t plan_smem = 2 * static_cast<size_t>(expert_count) * sizeof(int);
-  if (max_slots > 0 && use_wg() && moe_wg_supported(L, I)) {
-    // The warp-specialized path: a plan of kWgCols token columns per pass, then up and down.
-    if (const cudaError_t e = detail::launch(moe_plan_kernel, 1, kPlanThreads, plan_smem, s, idx, pairs, expert_begin,
-                                             expert_count, kWgCols, plan);
-        e != cudaSuccess)
-      return e;
-    if (const int e = moe_wg_launch(true, z, plan, experts, h, k, L, I, max_slots, pairs, p, sms, s); e != 0) return e;
-    if (const int e = moe_wg_launch(false, h, plan, experts, o, k, I, L, max_slots, pairs, p, sms, s); e != 0) return e;
-    return detail::launch(moe_combine_kernel, grid_for(rows * L / 8, 256, 8 * sms), 256, 0, s, o, idx, w, expert_begin,
-                          expert_count, y, rows, k, L);
-  }
+  // The warp-specialized path (K3_MOE_WG) plans passes of kWgCols token columns, the mma.sync kernels nt tiles.
+  const bool wg = max_slots > 0 && use_wg() && moe_wg_supported(L, I);
   if (const cudaError_t e = detail::launch(moe_plan_kernel, 1, kPlanThreads, plan_smem, s, idx, pairs, expert_begin,
-                                           expert_count, kTokTile * nt, plan);
+                                           expert_count, wg ? kWgCols : kTokTile * nt, plan);
       e != cudaSuccess)
     return e;
-  if (max_slots > 0) {
+  if (wg) {
+    if (const int e = moe_wg_launch(true, z, plan, experts, h, k, L, I, max_slots, pairs, p, sms, s); e != 0) return e;
+    if (const int e = moe_wg_launch(false, h, plan, experts, o, k, I, L, max_slots, pairs, p, sms, s); e != 0) return e;
+  } else if (max_slots > 0) {
     if (const int e = launch_mma_nt<true>(nt, z, plan, experts, h, k, L, I, max_slots, pairs, p, sms, s); e != 0) return e;
     if (const int e = launch_mma_nt<false>(nt, h, plan, experts, o, k, I, L, max_slots, pairs, p, sms, s); e != 0) return e;
   }
