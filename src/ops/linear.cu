@@ -1,18 +1,19 @@
 // CUDA linear: y[r, o] = sum_i x[r, i] * W[o, i]; x [rows, in] BF16, W [out, in] BF16, y [rows, out]
 // BF16 (rounded once from the FP32 sum) or FP32; FP32 accumulation. linear_via picks the path:
 //
-// 1 row (kLinearRowsKernelMaxRows): linear_rows_kernel. A CTA of 128 threads owns 4 output features and
-// a tile of RT rows (RT = 1, 2, 4 or 8 by the row count). Its threads split the input dimension in
-// 16-byte chunks (8 bf16; element-wise when in % 8 != 0 or a pointer is unaligned), load each of the 4
-// weight rows' chunk once and apply it to the RT activation rows (read through the read-only cache: x is
-// small and shared by every CTA), accumulate in FP32, then reduce with warp shuffles and one
-// shared-memory step. The row tile is the fastest grid index, so the CTAs that read the same weight rows
-// run together and W comes from HBM about once. It also takes any row count on LinearPath::Kernel when
-// the skinny kernel does not fit (in % 8 != 0, unaligned x or w).
+// Up to linear_rows_kernel_max_rows() rows (linear.h), and on LinearPath::Rows: linear_rows_kernel. A CTA of 128
+// threads owns 4 output features and a tile of RT rows (RT = 1, 2, 4 or 8 by the row count). Its threads split the
+// input dimension in 16-byte chunks (8 bf16; element-wise when in % 8 != 0 or a pointer is unaligned), load each of
+// the 4 weight rows' chunk once and apply it to the RT activation rows (read through the read-only cache: x is small
+// and shared by every CTA), accumulate in FP32, then reduce with warp shuffles and one shared-memory step. The row
+// tile is the fastest grid index, so the CTAs that read the same weight rows run together and W comes from HBM about
+// once. It also takes any row count on LinearPath::Kernel when the skinny kernel does not fit (in % 8 != 0, unaligned
+// x or w).
 //
 // linear_group: linear_rows_group_kernel runs the tiles of several projections that share x in one grid
 // (projection j's CTAs after projection j - 1's), each tile the code of linear_rows_kernel, so every
-// output is bitwise the separate kernel's; used at 1 row (Auto), separate linear calls otherwise.
+// output is bitwise the separate kernel's; used where Auto takes linear_rows_kernel, separate linear calls
+// otherwise.
 //
 // 2..64 rows (kLinearSkinnyMinRows..kLinearSkinnyMaxRows, in % 8 == 0, x and w 16-byte aligned) on
 // LinearPath::Kernel, and on Auto when kLinearAutoSkinny: linear_skinny (linear_skinny.cu), tensor cores
@@ -304,15 +305,25 @@ bool linear_cublaslt(const Context& ctx, const bf16* x, int64_t x_ld, const bf16
 
 }  // namespace
 
+int64_t linear_rows_kernel_max_rows() {
+  static const int64_t max_rows = [] {
+    const char* v = std::getenv("K3_LINEAR_ROWS_MAX");
+    const int64_t n = v != nullptr ? std::atoll(v) : 0;
+    return n >= 1 && n <= 8 ? n : kLinearRowsKernelMaxRows;
+  }();
+  return max_rows;
+}
+
 int linear_ld_via(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld, const bf16* w, void* y,
                   bool y_f32, int64_t rows, int64_t in, int64_t out) {
   if (rows < 0 || in <= 0 || out <= 0 || x_ld < in) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if (x == nullptr || w == nullptr || y == nullptr) return cudaErrorInvalidValue;
-  const bool skinny = (path == LinearPath::Kernel || (path == LinearPath::Auto && kLinearAutoSkinny)) &&
+  const bool rows_kernel =
+      path == LinearPath::Rows || (path == LinearPath::Auto && rows <= linear_rows_kernel_max_rows());
+  const bool skinny = !rows_kernel && (path == LinearPath::Kernel || (path == LinearPath::Auto && kLinearAutoSkinny)) &&
                       x_ld == in && linear_skinny_fits(rows, in, x, w);
-  const bool lt = path == LinearPath::CublasLt ||
-                  (path == LinearPath::Auto && rows > kLinearRowsKernelMaxRows && !skinny);
+  const bool lt = path == LinearPath::CublasLt || (path == LinearPath::Auto && !rows_kernel && !skinny);
   if (lt && linear_cublaslt(ctx, x, x_ld, w, y, y_f32, rows, in, out)) return cudaGetLastError();
   if (skinny) {
     const int e = linear_skinny(ctx, x, w, y, y_f32, rows, in, out);
@@ -358,7 +369,7 @@ int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, in
   }();
   if (path == LinearGroupPath::Auto && env_off) path = LinearGroupPath::Separate;
   const bool grouped = path == LinearGroupPath::Grouped ||
-                       (path == LinearGroupPath::Auto && rows <= kLinearRowsKernelMaxRows && n > 1);
+                       (path == LinearGroupPath::Auto && rows <= linear_rows_kernel_max_rows() && n > 1);
   if (!grouped || !linear_group_fits(x, in, outs, n)) {
     const LinearPath each = path == LinearGroupPath::Grouped ? LinearPath::Kernel : LinearPath::Auto;
     for (int j = 0; j < n; ++j)

@@ -30,6 +30,9 @@ namespace k3::ops::cuda {
 // The hand-written paths give the same bits on every run for a given shape and Context (the skinny
 // split depends on the SM count and ctx.workspace_bytes).
 constexpr int64_t kLinearRowsKernelMaxRows = 1;
+// The row count up to which Auto (and linear_group) takes linear_rows_kernel: kLinearRowsKernelMaxRows,
+// or K3_LINEAR_ROWS_MAX=1..8 in the environment (read once; A/B runs of the step with one binary).
+int64_t linear_rows_kernel_max_rows();
 constexpr int64_t kLinearSkinnyMinRows = 2;
 constexpr int64_t kLinearSkinnyMaxRows = 64;
 // Whether Auto (the engine) takes the skinny kernel. Off: it passes its GPU tests (CudaLinearSkinny), but
@@ -46,9 +49,10 @@ int linear(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32
 int linear_ld(const Context& ctx, const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, int64_t rows,
               int64_t in, int64_t out);
 // The same with the path forced (benchmarks compare them): Kernel = the hand-written kernels (skinny for
-// the rows and shapes it takes, else linear_rows_kernel at any row count); CublasLt = cuBLASLt (the
-// hand-written kernels if cuBLASLt has no algorithm); Auto = linear().
-enum class LinearPath { Auto, Kernel, CublasLt };
+// the rows and shapes it takes, else linear_rows_kernel at any row count); Rows = linear_rows_kernel at
+// any row count; CublasLt = cuBLASLt (the hand-written kernels if cuBLASLt has no algorithm); Auto =
+// linear().
+enum class LinearPath { Auto, Kernel, Rows, CublasLt };
 int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
                int64_t in, int64_t out);
 int linear_ld_via(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld, const bf16* w, void* y,
@@ -56,7 +60,7 @@ int linear_ld_via(const Context& ctx, LinearPath path, const bf16* x, int64_t x_
 
 // Several projections of the same input rows: y_j [rows, out_j] = x W_j^T for j < n (n <= kLinearGroupMax),
 // each as linear(ctx, x, w_j, y_j, y_f32_j, rows, in, out_j) would compute it, bitwise. At the rows
-// linear_rows_kernel takes in Auto (rows <= kLinearRowsKernelMaxRows) one launch does them all
+// linear_rows_kernel takes in Auto (rows <= linear_rows_kernel_max_rows()) one launch does them all
 // (linear_rows_group_kernel: the CTAs of every projection dealt over one grid, so the small ones run in
 // the large one's wave instead of paying their own launch ramp and tail); at other row counts, or when
 // the weights would not all take the same vector width (a w not 16-byte aligned), one linear call each.

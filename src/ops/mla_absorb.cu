@@ -137,7 +137,7 @@ int mla_absorb_q(const Context& ctx, const bf16* q, const bf16* w_kvb, bf16* q_l
   const auto* qp = reinterpret_cast<const bf16raw*>(q);
   auto* lp = reinterpret_cast<bf16raw*>(q_lat);
   // Head h: q_lat[:, h, :R] [T, R] = q_nope[:, h] [T, dn] W_uk_h [dn, R].
-  if (path != LinearPath::Kernel &&
+  if (path != LinearPath::Kernel && path != LinearPath::Rows &&
       linear_batched_cublaslt(ctx, q, int64_t{H} * (dn + P), dn + P, w_kvb, R, int64_t{dn + dv} * R, false, q_lat,
                               int64_t{H} * (R + P), R + P, T, dn, R, H)) {
     if (P == 0) return cudaGetLastError();
@@ -160,7 +160,7 @@ int mla_unabsorb(const Context& ctx, const bf16* o_lat, const bf16* w_kvb, bf16*
   if (T < 0 || H <= 0 || dn <= 0 || dv <= 0 || R <= 0 || H > 65535) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
   // Head h: o[:, h] [T, dv] = o_lat[:, h] [T, R] W_uv_h^T (W_uv_h [dv, R]).
-  if (path != LinearPath::Kernel &&
+  if (path != LinearPath::Kernel && path != LinearPath::Rows &&
       linear_batched_cublaslt(ctx, o_lat, int64_t{H} * R, R, w_kvb + int64_t{dn} * R, R, int64_t{dn + dv} * R, true,
                               o, int64_t{H} * dv, dv, T, R, dv, H))
     return cudaGetLastError();

@@ -141,7 +141,8 @@ TEST(CudaLinear, StridedRowsMatchTheCompactedRows) {
       ops::linear(xc.data(), wb.data(), want.data(), rows, c.in, c.out);
       DeviceBuffer dxs = upload_bf16(xs), dxc = upload_bf16(xc);
       const size_t bytes = static_cast<size_t>(rows * c.out) * 2;
-      for (auto path : {ops::cuda::LinearPath::Auto, ops::cuda::LinearPath::Kernel, ops::cuda::LinearPath::CublasLt}) {
+      for (auto path : {ops::cuda::LinearPath::Auto, ops::cuda::LinearPath::Kernel, ops::cuda::LinearPath::Rows,
+                        ops::cuda::LinearPath::CublasLt}) {
         DeviceBuffer dy(bytes);
         ASSERT_EQ(ops::cuda::linear_ld_via(ctx(), path, dxs.get<bf16>(), c.x_ld, dw.get<bf16>(), dy.get(), false,
                                            rows, c.in, c.out),
@@ -392,9 +393,9 @@ void expect_linear_cpu(const std::vector<uint8_t>& bytes, const std::vector<floa
   expect_close(have, want, y_f32 ? kF32Rel : kOneRounding, 0.0, what);
 }
 
-// One group: Auto bitwise the separate linear() calls at every row count (one launch at 1 row); the grouped
-// kernel at any row count bitwise linear_rows_kernel (LinearPath::Kernel where the skinny kernel does not
-// take the shape), else against the CPU; every projection against the CPU.
+// One group: Auto bitwise the separate linear() calls at every row count (one launch where Auto takes
+// linear_rows_kernel); the grouped kernel at any row count bitwise linear_rows_kernel (LinearPath::Rows);
+// every projection against the CPU.
 void check_linear_group(const std::vector<GroupProj>& projs, int64_t in, const std::vector<int64_t>& row_counts,
                         uint64_t seed, int x_offset = 0) {
   using ops::cuda::LinearGroupPath;
@@ -424,9 +425,8 @@ void check_linear_group(const std::vector<GroupProj>& projs, int64_t in, const s
                                       << " w offset " << p.w_offset);
       EXPECT_TRUE(autos[j] == linear_bytes_at(LinearPath::Auto, xp, wp[j], rows, in, p.out, p.f32))
           << "auto group differs from the separate linear()";
-      if (rows == 1 || !ops::cuda::linear_skinny_fits(rows, in, xp, wp[j]))
-        EXPECT_TRUE(grouped[j] == linear_bytes_at(LinearPath::Kernel, xp, wp[j], rows, in, p.out, p.f32))
-            << "grouped kernel differs from linear_rows_kernel";
+      EXPECT_TRUE(grouped[j] == linear_bytes_at(LinearPath::Rows, xp, wp[j], rows, in, p.out, p.f32))
+          << "grouped kernel differs from linear_rows_kernel";
       expect_linear_cpu(autos[j], x, w[j], rows, in, p.out, p.f32, "auto group");
       expect_linear_cpu(grouped[j], x, w[j], rows, in, p.out, p.f32, "grouped kernel");
     }
