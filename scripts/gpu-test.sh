@@ -6,7 +6,7 @@
 # the tiny-model run, one multi-rank layout and the decode kernels' small
 # cases (racecheck on the top-k), the nccl backend through
 # mpirun -np 1 (when built with K3_NCCL), (with
-# --bench) the rank-slice benchmark of both variants, and (with --serve) the
+# --bench) the rank-slice benchmark of both variants in its three step modes, and (with --serve) the
 # serving figures (scripts/serve-bench.sh: the small preset on the GPU). Logs and the bench JSON
 # go to $OUT (or out/gpu), never into docs/. --history (implies --bench) also
 # appends the bench points to docs/perf/history.csv (scripts/perf-history.py)
@@ -82,14 +82,18 @@ if [ "$bench" = 1 ]; then
   commit="${K3_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   # One process per variant and step mode, as a deployment builds one rank (in one process the hybrid
   # rank was built after the stock one was freed, and its one-row points ran slower: docs/PERF.md).
+  # The three modes of the table: stock, hybrid (its default, TP-sharded shared experts) and the seed's
+  # hybrid step (replicated shared experts).
   for v in k3 k3.1; do
-    for st in stock hybrid; do
+    for mode in stock hybrid hybrid-replicated; do
+      st=${mode%-replicated} shared=(); [ "$mode" = hybrid-replicated ] && shared=(--shared-experts replicated)
       "$bin/k3decode" bench --preset k3-rank-slice --variant "$v" --tp 8 --dp 4 --rank 0 --context 8192 \
-        --batches 1 8 32 64 --q 1 4 --iters 50 --steps "$st" --commit "$commit" \
-        --json "$out/rank_slice_${v}_$st.json" 2>&1 | tee "$out/bench_${v}_$st.log" || status=1
+        --batches 1 8 32 64 --q 1 4 --iters 50 --steps "$st" "${shared[@]}" --commit "$commit" \
+        --json "$out/rank_slice_${v}_$mode.json" 2>&1 | tee "$out/bench_${v}_$mode.log" || status=1
     done
     python3 -c 'import json, sys; json.dump([r for f in sys.argv[2:] for r in json.load(open(f))], open(sys.argv[1], "w"), indent=1)' \
-      "$out/rank_slice_$v.json" "$out/rank_slice_${v}_stock.json" "$out/rank_slice_${v}_hybrid.json" || status=1
+      "$out/rank_slice_$v.json" "$out/rank_slice_${v}_stock.json" "$out/rank_slice_${v}_hybrid.json" \
+      "$out/rank_slice_${v}_hybrid-replicated.json" || status=1
   done
   if [ "$history" = 1 ]; then
     python3 scripts/perf-history.py "$out/rank_slice_k3.json" "$out/rank_slice_k3.1.json" || status=1
