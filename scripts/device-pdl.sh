@@ -2,9 +2,9 @@
 # Programmatic dependent launch (K3_PDL, ops/cuda_device.cuh) on one H200, in one call of at most ~480 s: build, then with
 # K3_PDL=1 the GPU tests, compute-sanitizer (memcheck and racecheck over the tiny-model run, memcheck over
 # one multi-rank layout) and the tiny models' generate on the GPU beside the CPU; then the A/B of the
-# step: the rank-slice bench as K3_PDL=0, 1, 0, 1 (alternating, to see the spread between runs) and the
-# projection kernels alone (`bench --ops --ops-only linear`) as K3_PDL=0 and 1, with a summary of the
-# medians side by side.
+# step through scripts/device-ab.sh: the rank-slice bench as K3_PDL=0, 1, 0, 1 (alternating, to see the
+# spread between runs; each step mode in its own process) and the projection kernels alone (`bench --ops
+# --ops-only linear`) as K3_PDL=0 and 1, with a summary of the medians side by side.
 #
 # usage: scripts/device-pdl.sh [all|check|ab]   (all: both; check: build and the checks; ab: build and the A/B)
 #
@@ -15,7 +15,7 @@
 # runs go K3_PDL=0, 1, 0, 1, so a cut one still has a run of each; `check`, then `ab` in a second call on
 # the warm machine (build-gpu is kept) runs everything. K3_AB_STEPS=stock limits the A/B to one step kind.
 # Logs and JSON go to $OUT (default out/pdl), then into $OUT/all.tgz (only a few files come back from a lent
-# machine): the copies outside the archive are removed but summary.txt and steps.txt.
+# machine), the A/B's into $OUT/ab/all.tgz with $OUT/ab/summary.txt beside it; steps.txt stays too.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 phase=${1:-all}
@@ -78,80 +78,11 @@ if [ "$phase" != ab ]; then
 fi
 
 if [ "$phase" != check ]; then
-  # The step: K3_PDL=0 and 1 alternating, twice; each process reads K3_PDL once. The bench rewrites its
-  # JSON after every point, so a run cut by its timeout keeps what it measured.
-  steps=()
-  [ -n "${K3_AB_STEPS:-}" ] && read -ra steps <<<"--steps $K3_AB_STEPS"
-  for rep in 1 2; do
-    for p in 0 1; do
-      step "bench_pdl${p}_r$rep" 120 env K3_PDL=$p "$bin/k3decode" bench --preset k3-rank-slice --variant k3 \
-        --tp 8 --dp 4 --rank 0 --context 8192 --batches 1 8 64 --q 1 4 --iters 50 "${steps[@]}" \
-        --commit "$commit" --json "$logs/ab_pdl${p}_r$rep.json"
-    done
-  done
-  # The projections alone: CUDA graphs of 20 launches of one op, so PDL overlaps consecutive launches.
-  for p in 0 1; do
-    step "ops_linear_pdl$p" 60 env K3_PDL=$p "$bin/k3decode" bench --ops --ops-only linear --commit "$commit" \
-      --json "$logs/ops_linear_pdl$p.json"
-  done
-  python3 - "$logs" >"$out/summary.txt" 2>&1 <<'EOF' || status=1
-import json, os, statistics, sys
-
-d = sys.argv[1]
-
-
-def load(name):
-    p = os.path.join(d, name)
-    if not os.path.exists(p):
-        return None
-    try:
-        with open(p) as f:
-            return json.load(f)
-    except ValueError:
-        return None
-
-
-def fmt(v):
-    return f"{v:9.1f}" if v is not None else f"{'-':>9}"
-
-
-print("step: median_us per run (K3_PDL=0 and 1, runs r1 r2), the median of each setting, 1 vs 0")
-runs = {(p, r): load(f"ab_pdl{p}_r{r}.json") for p in (0, 1) for r in (1, 2)}
-pts, gaps = {}, {}
-for (p, r), recs in runs.items():
-    for x in recs or []:
-        key = (x["step"], x["requests"], x["q"])
-        pts.setdefault(key, {})[(p, r)] = x["median_us"]
-        if "trace_gap_us" in x:
-            gaps.setdefault(key, {}).setdefault(p, []).append(x["trace_gap_us"])
-print(f"{'step':>7} {'B':>3} {'q':>2} {'pdl0 r1':>9} {'pdl0 r2':>9} {'pdl1 r1':>9} {'pdl1 r2':>9}"
-      f" {'pdl0':>9} {'pdl1':>9} {'1 vs 0':>7}")
-for key in sorted(pts):
-    v = pts[key]
-    m = {}
-    for p in (0, 1):
-        xs = [v[(p, r)] for r in (1, 2) if (p, r) in v]
-        m[p] = statistics.median(xs) if xs else None
-    delta = f"{100 * (m[1] / m[0] - 1):+6.1f}%" if m[0] and m[1] else f"{'-':>7}"
-    cells = " ".join(fmt(v.get((p, r))) for p in (0, 1) for r in (1, 2))
-    print(f"{key[0]:>7} {key[1]:>3} {key[2]:>2} {cells} {fmt(m[0])} {fmt(m[1])} {delta}")
-
-print("\nthe trace's uncovered time per step (trace_gap_us, CUPTI; median over the runs)")
-print(f"{'step':>7} {'B':>3} {'q':>2} {'pdl0':>9} {'pdl1':>9}")
-for key in sorted(gaps):
-    g = [statistics.median(gaps[key][p]) if gaps[key].get(p) else None for p in (0, 1)]
-    print(f"{key[0]:>7} {key[1]:>3} {key[2]:>2} {fmt(g[0])} {fmt(g[1])}")
-
-print("\nprojections alone (bench --ops --ops-only linear, the auto path): us per call, 1 vs 0")
-ops = [load(f"ops_linear_pdl{p}.json") for p in (0, 1)]
-us = [{x["shape"]: x["us"] for x in (o or []) if x.get("op") == "linear"} for o in ops]
-print(f"{'shape':>20} {'pdl0':>9} {'pdl1':>9} {'1 vs 0':>7}")
-for shape in dict.fromkeys(list(us[0]) + list(us[1])):
-    a, b = us[0].get(shape), us[1].get(shape)
-    delta = f"{100 * (b / a - 1):+6.1f}%" if a and b else f"{'-':>7}"
-    print(f"{shape:>20} {fmt(a)} {fmt(b)} {delta}")
-EOF
-  cat "$out/summary.txt"
+  # The step and the projections alone as K3_PDL=0 and 1 in turn, twice (scripts/device-ab.sh, on this
+  # build, in what is left of the deadline); its summary and archive land in $out/ab.
+  K3_BIN=$bin K3_COMMIT=$commit K3_AB_REPS=2 K3_AB_OPS=linear \
+    K3_DEADLINE_S=$((deadline - $(date +%s) - 20)) OUT="$out/ab" \
+    scripts/device-ab.sh K3_PDL "0 1" --batches 1 8 64 --q 1 4 || status=1
 fi
 
-finish $([ -f "$out/summary.txt" ] && echo "$out/summary.txt")
+finish

@@ -371,7 +371,7 @@ int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, in
   const bool grouped = path == LinearGroupPath::Grouped ||
                        (path == LinearGroupPath::Auto && rows <= linear_rows_kernel_max_rows() && n > 1);
   if (!grouped || !linear_group_fits(x, in, outs, n)) {
-    const LinearPath each = path == LinearGroupPath::Grouped ? LinearPath::Kernel : LinearPath::Auto;
+    const LinearPath each = path == LinearGroupPath::Grouped ? LinearPath::Rows : LinearPath::Auto;
     for (int j = 0; j < n; ++j)
       if (const int e = linear_via(ctx, each, x, outs[j].w, outs[j].y, outs[j].y_f32, rows, in, outs[j].out); e != 0)
         return e;

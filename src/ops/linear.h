@@ -73,9 +73,9 @@ struct LinearOut {
 };
 constexpr int kLinearGroupMax = 6;
 int linear_group(const Context& ctx, const bf16* x, int64_t rows, int64_t in, const LinearOut* outs, int n);
-// Auto = linear_group; Grouped = the grouped kernel at any row count (bitwise linear_rows_kernel per
-// projection, the path LinearPath::Kernel takes where the skinny kernel does not fit; tests), one
-// linear_via(Kernel) each where linear_group_fits is false; Separate = one linear() per projection.
+// Auto = linear_group; Grouped = linear_rows_kernel per projection at any row count (tests): the grouped
+// kernel (bitwise linear_via(Rows) per projection), or one linear_via(Rows) each where linear_group_fits is
+// false; Separate = one linear() per projection.
 enum class LinearGroupPath { Auto, Grouped, Separate };
 int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, int64_t rows, int64_t in,
                      const LinearOut* outs, int n);
