@@ -11,19 +11,22 @@
 # go to $OUT (or out/gpu), never into docs/. --history (implies --bench) also
 # appends the bench points to docs/perf/history.csv (scripts/perf-history.py)
 # and leaves a copy of that file in $OUT (on a lent machine only $OUT comes
-# back). Copy the JSON over docs/perf/rank_slice_{k3,k3.1}.json by hand when
-# the run becomes the current one (docs/PERF.md). Uses the binaries in $K3_BIN
+# back). --bench-only skips the tests; K3_BENCH_VARIANTS (default "k3 k3.1")
+# picks the variants benched, so that one variant's three processes fit one
+# lent-machine call. Copy the JSON over docs/perf/rank_slice_{k3,k3.1}.json by
+# hand when the run becomes the current one (docs/PERF.md). Uses the binaries in $K3_BIN
 # when given (carried from another machine, with the shared libraries they
 # need beside them), else builds (cmake -G Ninja, all cores).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bench=0 history=0 serve=0
+bench=0 history=0 serve=0 tests=1
 for a in "$@"; do
   case "$a" in
     --bench) bench=1 ;;
     --history) bench=1 history=1 ;;
+    --bench-only) bench=1 tests=0 ;;
     --serve) serve=1 ;;
-    *) echo "usage: scripts/gpu-test.sh [--bench] [--history] [--serve]" >&2; exit 2 ;;
+    *) echo "usage: scripts/gpu-test.sh [--bench] [--history] [--bench-only] [--serve]" >&2; exit 2 ;;
   esac
 done
 out="${OUT:-out/gpu}"
@@ -36,6 +39,7 @@ fi
 export LD_LIBRARY_PATH="$bin:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader | tee "$out/machine.txt"
 status=0
+if [ "$tests" = 1 ]; then
 # (PIPESTATUS is read in the same command list: after `|| true` it would hold true's status.)
 "$bin/k3_gpu_tests" 2>&1 | tee "$out/gpu_tests.log" |
   grep -E "^\[  (FAILED|PASSED|SKIPPED) |\[ gpu( parallel)? \]|tests ran"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -77,6 +81,7 @@ for layout in "--tp 2 --dp 2 --dcp 2" "--tp 4 --dcp 2" "--tp 2 --dp 2"; do
     printf '%s %s: gpu == cpu: %s\n  gpu: %s\n  cpu: %s\n' "$layout" "$step" "$same" "$g" "$c"
   done
 done | tee "$out/generate_steps.log"
+fi
 if [ "$bench" = 1 ]; then
   # K3_COMMIT names the build when the binaries were carried (the device copy's git HEAD can be stale).
   commit="${K3_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
@@ -84,7 +89,8 @@ if [ "$bench" = 1 ]; then
   # rank was built after the stock one was freed, and its one-row points ran slower: docs/PERF.md).
   # The three modes of the table: stock, hybrid (its default, TP-sharded shared experts) and the seed's
   # hybrid step (replicated shared experts).
-  for v in k3 k3.1; do
+  variants=(${K3_BENCH_VARIANTS:-k3 k3.1})
+  for v in "${variants[@]}"; do
     for mode in stock hybrid hybrid-replicated; do
       st=${mode%-replicated} shared=(); [ "$mode" = hybrid-replicated ] && shared=(--shared-experts replicated)
       "$bin/k3decode" bench --preset k3-rank-slice --variant "$v" --tp 8 --dp 4 --rank 0 --context 8192 \
@@ -96,7 +102,9 @@ if [ "$bench" = 1 ]; then
       "$out/rank_slice_${v}_hybrid-replicated.json" || status=1
   done
   if [ "$history" = 1 ]; then
-    python3 scripts/perf-history.py "$out/rank_slice_k3.json" "$out/rank_slice_k3.1.json" || status=1
+    jsons=()
+    for v in "${variants[@]}"; do jsons+=("$out/rank_slice_$v.json"); done
+    python3 scripts/perf-history.py "${jsons[@]}" || status=1
     cp docs/perf/history.csv "$out/history.csv"
   fi
 fi
