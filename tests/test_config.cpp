@@ -16,10 +16,12 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "config/model_config.h"
 #include "config/schema.h"
+#include "core/env.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "fuzz_util.h"
@@ -522,4 +524,29 @@ TEST(ConfigInvalid, StrictTypesAndRanges) {
     const std::string msg = error_of([&] { k3::ModelConfig::from_json(j); });
     EXPECT_TRUE(mentions_key(msg, key)) << key << " = " << value.dump() << ": " << msg;
   }
+}
+
+// The kernels' environment knobs (core/env.h): a value in range is taken; unset, malformed or out of range
+// give the fallback, the last two with a warning naming the variable.
+TEST(EnvInt, TakesInRangeIntegersAndWarnsOnAnythingElse) {
+  const char* name = "K3_TEST_ENV_INT";
+  ::unsetenv(name);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(k3::env_int(name, 1, 8, 3), 3);
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  for (const auto& [value, want] : std::vector<std::pair<std::string, int64_t>>{{"1", 1}, {"8", 8}, {"5", 5}}) {
+    ::setenv(name, value.c_str(), 1);
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(k3::env_int(name, 1, 8, 3), want) << value;
+    EXPECT_EQ(testing::internal::GetCapturedStderr(), "") << value;
+  }
+  for (const std::string bad : {"0", "9", "-1", "4x", "", "4 ", "x", "99999999999999999999999"}) {
+    ::setenv(name, bad.c_str(), 1);
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(k3::env_int(name, 1, 8, 3), 3) << bad;
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find(name), std::string::npos) << bad << ": " << err;
+    EXPECT_NE(err.find("[1, 8]"), std::string::npos) << bad << ": " << err;
+  }
+  ::unsetenv(name);
 }

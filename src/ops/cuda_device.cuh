@@ -10,9 +10,9 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
+
+#include "core/env.h"
 
 namespace k3::ops::cuda::detail {
 
@@ -151,10 +151,7 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 // Whether launches carry the programmatic-serialization attribute: on unless K3_PDL=0 in the environment
 // (read once; A/B runs of the step compare the two in separate processes).
 inline bool pdl_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("K3_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool on = env_int("K3_PDL", 0, 1, 1) == 1;
   return on;
 }
 

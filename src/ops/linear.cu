@@ -30,10 +30,9 @@
 #include <cublasLt.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
+#include "core/env.h"
 #include "ops/cuda_bf16.cuh"
 #include "ops/cuda_device.cuh"
 #include "ops/linear.h"
@@ -306,11 +305,7 @@ bool linear_cublaslt(const Context& ctx, const bf16* x, int64_t x_ld, const bf16
 }  // namespace
 
 int64_t linear_rows_kernel_max_rows() {
-  static const int64_t max_rows = [] {
-    const char* v = std::getenv("K3_LINEAR_ROWS_MAX");
-    const int64_t n = v != nullptr ? std::atoll(v) : 0;
-    return n >= 1 && n <= 8 ? n : kLinearRowsKernelMaxRows;
-  }();
+  static const int64_t max_rows = env_int("K3_LINEAR_ROWS_MAX", 1, 8, kLinearRowsKernelMaxRows);
   return max_rows;
 }
 
@@ -363,10 +358,7 @@ int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, in
     if (outs[j].out <= 0) return cudaErrorInvalidValue;
   if (rows == 0 || n == 0) return cudaSuccess;
   // K3_LINEAR_GROUP=0 in the environment: Auto as Separate (A/B runs of the step).
-  static const bool env_off = [] {
-    const char* v = std::getenv("K3_LINEAR_GROUP");
-    return v != nullptr && std::strcmp(v, "0") == 0;
-  }();
+  static const bool env_off = env_int("K3_LINEAR_GROUP", 0, 1, 1) == 0;
   if (path == LinearGroupPath::Auto && env_off) path = LinearGroupPath::Separate;
   const bool grouped = path == LinearGroupPath::Grouped ||
                        (path == LinearGroupPath::Auto && rows <= linear_rows_kernel_max_rows() && n > 1);

@@ -27,8 +27,6 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 
 #include "ops/cuda_bf16.cuh"
 #include "ops/cuda_cp_async.cuh"
@@ -642,8 +640,7 @@ std::atomic<int> g_force_wg{-1};
 bool use_wg() {
   int v = g_force_wg.load(std::memory_order_relaxed);
   if (v < 0) {
-    const char* e = std::getenv("K3_MOE_WG");
-    const int want = e != nullptr && std::strcmp(e, "1") == 0 ? 1 : 0;
+    const int want = static_cast<int>(env_int("K3_MOE_WG", 0, 1, 0));
     g_force_wg.compare_exchange_strong(v, want, std::memory_order_relaxed);
     v = g_force_wg.load(std::memory_order_relaxed);
   }
