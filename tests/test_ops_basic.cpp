@@ -529,6 +529,47 @@ TEST(OpsLinear, RoundOutFalseVsTrue) {
   EXPECT_GT(not_bf16, total * 9 / 10);
 }
 
+// linear_add: y = bf16(x W^T + y), the FP32 sum and y's BF16 value rounded once. Against a float64 loop
+// (within a BF16 rounding of the exact sum plus y), bitwise against the definition on the FP32 linear, and
+// the single rounding seen: some outputs differ from adding the BF16-rounded projection to y.
+TEST(OpsLinear, AddRoundsTheSumAndYOnce) {
+  Rng rng(303);
+  size_t differs = 0, total = 0;
+  for (int64_t rows : kRows) {
+    for (int64_t in : kDims) {
+      for (int64_t out : {int64_t{1}, int64_t{7}, int64_t{129}}) {
+        auto x = rand_act(rng, rows * in);
+        auto w = rand_w(rng, out * in, 1.0 / std::sqrt(static_cast<double>(in)));
+        std::vector<float> y0 = rand_act(rng, rows * out);
+        for (auto& v : y0) v = k3::round_bf16(v);
+        std::vector<float> y = y0, y32(rows * out);
+        k3::ops::linear_add(x.data(), w.data(), y.data(), rows, in, out);
+        k3::ops::linear(x.data(), w.data(), y32.data(), rows, in, out, false);
+        std::vector<double> ref(rows * out);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t o = 0; o < out; ++o) {
+            double sum = y0[r * out + o];
+            for (int64_t i = 0; i < in; ++i) sum += static_cast<double>(x[r * in + i]) * wv(w, o * in + i);
+            ref[r * out + o] = sum;
+          }
+        const std::string what = "linear_add rows " + std::to_string(rows) + " in " + std::to_string(in) + " out " +
+                                 std::to_string(out);
+        expect_bf16_rows(y.data(), ref, rows, out, what);
+        int bad = 0;
+        for (size_t j = 0; j < y.size(); ++j) {
+          if (y[j] != k3::round_bf16(y32[j] + y0[j]) && bad++ < 5)
+            ADD_FAILURE() << what << " [" << j << "] got " << y[j] << " want bf16(" << y32[j] << " + " << y0[j] << ")";
+          differs += y[j] != k3::round_bf16(k3::round_bf16(y32[j]) + y0[j]);
+          ++total;
+        }
+        EXPECT_EQ(bad, 0) << what;
+      }
+    }
+  }
+  EXPECT_GT(differs, 0u) << "of " << total << ": rounding the projection first never changed an output";
+  EXPECT_THROW(k3::ops::linear_add(nullptr, nullptr, nullptr, 1, 0, 1), k3::Error);
+}
+
 // Rows are independent and each output uses its own weight row (catches transposed indexing).
 TEST(OpsLinear, OneHotInputsPickWeightColumns) {
   Rng rng(302);

@@ -301,7 +301,7 @@ void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t 
   int64_t at = 0;
   for (int p = 0; p < W; ++p)
     for (int64_t i : items[p]) std::copy_n(&back[(at++) * L], L, &expert_out[i * L]);
-  std::fill(out, out + rows * D, 0.0f);
+  if (with_shared) std::fill(out, out + rows * D, 0.0f);
   if (real == 0) return;
   Buf y = buf(real * L);
   for (int64_t r = 0; r < real; ++r)
@@ -312,14 +312,10 @@ void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t 
     }
   round_bf16_inplace(y.data(), real * L);
   ops::rmsnorm(y.data(), w.norm, y.data(), real, L, c.rms_norm_eps);
-  if (!with_shared) {
-    ops::linear(y.data(), w.up, out, real, L, D);
-    return;
-  }
-  Buf up = buf(real * D), shared = buf(real * D);
-  ops::linear(y.data(), w.up, up.data(), real, L, D);
-  shared_mlp(c, w, x, real, shared.data());
-  ops::add(up.data(), shared.data(), out, real * D);
+  // The shared experts' output first (with_shared = false: the caller's TP partial sum of them is in out),
+  // then W_up y added into it, rounded once.
+  if (with_shared) shared_mlp(c, w, x, real, out);
+  ops::linear_add(y.data(), w.up, out, real, L, D);
 }
 
 void shared_mlp(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, float* out) {

@@ -99,8 +99,9 @@ void mla_attention(const ModelConfig& c, const MlaWeights& w, int layer, const f
                    AttentionCache& cache, const Dcp& dcp, float* out);
 // x [rows, D]: the first `real` rows are tokens, the rest padding (never routed,
 // output zero). Collective over `world` (every rank calls it, rows may be 0).
-// with_shared = false: the routed part alone, bf16(W_up y) (the shared experts then run TP-sharded on
-// all rows: shared_mlp).
+// out [rows, D] = bf16(W_up y + shared(x)), the shared experts' BF16 output and the FP32 up projection
+// rounded once. with_shared = false: out [real, D] already holds the shared experts' TP partial sum of the
+// real rows (shared_mlp on all rows) and the routed part is added into it the same way.
 void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, int64_t real, Comm& world,
              float* out, bool with_shared = true);
 // The shared experts' SiTU-GLU MLP on `rows` rows (a partial sum when they are TP-sharded).

@@ -37,4 +37,13 @@ void linear(const float* x, const bf16* w, float* y, int64_t rows, int64_t in, i
   }
 }
 
+void linear_add(const float* x, const bf16* w, float* y, int64_t rows, int64_t in, int64_t out) {
+  K3_CHECK(rows >= 0 && in > 0 && out > 0, "linear_add: bad shape rows {} in {} out {}", rows, in, out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * in;
+    float* yr = y + r * out;
+    for (int64_t o = 0; o < out; ++o) yr[o] = round_bf16(dot_bf16(xr, w + o * in, in) + yr[o]);
+  }
+}
+
 }  // namespace k3::ops

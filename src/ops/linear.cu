@@ -24,6 +24,9 @@
 // y^T [out, rows] = (W^T [in, out])^T x^T [in, rows], BF16 A/B, FP32 compute and scale, BF16 or FP32
 // C = D, split-K reductions (if any) in FP32; the hand-written kernels if it has no algorithm.
 //
+// linear_add: y = bf16(x W^T + y) on the same paths (not the skinny kernel): the rows kernel reads y in its
+// epilogue, cuBLASLt runs with beta = 1 and C = D = y.
+//
 // linear_ld: the same with x's rows x_ld elements apart (a slice of a wider matrix read in place): the
 // rows kernel steps x_ld per row (16-byte chunks when x_ld % 8 == 0 too), cuBLASLt takes ldx = x_ld,
 // the skinny kernel is not taken.
@@ -61,8 +64,8 @@ __device__ __forceinline__ void load_ro(const bf16* p, float (&f)[VEC]) {
 // the separate kernel's.
 template <int RT, int VEC>
 __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                          void* __restrict__ y, bool y_f32, int64_t rows, int64_t in, int64_t x_ld,
-                                          int64_t out, int64_t row_tiles, int64_t block,
+                                          void* __restrict__ y, bool y_f32, bool add, int64_t rows, int64_t in,
+                                          int64_t x_ld, int64_t out, int64_t row_tiles, int64_t block,
                                           float (&red)[kLinThreads / kWarp][kLinOut * RT]) {
   const int64_t rt = block % row_tiles, ot = block / row_tiles;
   const int64_t r0 = rt * RT, o0 = ot * kLinOut;
@@ -122,7 +125,9 @@ __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16
       if (y_f32) {
         static_cast<float*>(y)[at] = s;
       } else {
-        static_cast<bf16*>(y)[at] = detail::float_to_bf16(s);
+        bf16* yb = static_cast<bf16*>(y);
+        if (add) s += detail::bf16_to_float(yb[at]);  // linear_add: the sum and y, rounded once
+        yb[at] = detail::float_to_bf16(s);
       }
     }
   }
@@ -131,11 +136,11 @@ __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16
 template <int RT, int VEC>
 __global__ void __launch_bounds__(kLinThreads)
     linear_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, bool y_f32,
-                       int64_t rows, int64_t in, int64_t x_ld, int64_t out, int64_t row_tiles) {
+                       bool add, int64_t rows, int64_t in, int64_t x_ld, int64_t out, int64_t row_tiles) {
   detail::pdl_wait();
   detail::pdl_launch_dependents();
   __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
-  rows_tile<RT, VEC>(x, w, y, y_f32, rows, in, x_ld, out, row_tiles, blockIdx.x, red);
+  rows_tile<RT, VEC>(x, w, y, y_f32, add, rows, in, x_ld, out, row_tiles, blockIdx.x, red);
 }
 
 // The projections of one grouped launch: projection j owns blocks [begin[j], begin[j + 1]) of the grid.
@@ -162,37 +167,37 @@ __global__ void __launch_bounds__(kLinThreads)
   detail::pdl_wait();
   detail::pdl_launch_dependents();
   __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
-  rows_tile<RT, VEC>(x, g.w[j], g.y[j], g.y_f32[j], rows, in, in, g.out[j], row_tiles, b - g.begin[j], red);
+  rows_tile<RT, VEC>(x, g.w[j], g.y[j], g.y_f32[j], false, rows, in, in, g.out[j], row_tiles, b - g.begin[j], red);
 }
 
 template <int RT, int VEC>
-int launch_rows(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
+int launch_rows(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, bool add, int64_t rows, int64_t in,
                 int64_t out, cudaStream_t s) {
   const int64_t row_tiles = (rows + RT - 1) / RT;
   const int64_t blocks = row_tiles * ((out + kLinOut - 1) / kLinOut);
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   return detail::launch(linear_rows_kernel<RT, VEC>, static_cast<unsigned>(blocks), kLinThreads, 0, s, x, w, y, y_f32,
-                        rows, in, x_ld, out, row_tiles);
+                        add, rows, in, x_ld, out, row_tiles);
 }
 
 // The one place the row count and the vector width become compile-time.
 template <int VEC>
-int dispatch_rows(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
-                  int64_t out, cudaStream_t s) {
-  if (rows <= 1) return launch_rows<1, VEC>(x, x_ld, w, y, y_f32, rows, in, out, s);
-  if (rows <= 2) return launch_rows<2, VEC>(x, x_ld, w, y, y_f32, rows, in, out, s);
-  if (rows <= 4) return launch_rows<4, VEC>(x, x_ld, w, y, y_f32, rows, in, out, s);
-  return launch_rows<8, VEC>(x, x_ld, w, y, y_f32, rows, in, out, s);
+int dispatch_rows(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, bool add, int64_t rows,
+                  int64_t in, int64_t out, cudaStream_t s) {
+  if (rows <= 1) return launch_rows<1, VEC>(x, x_ld, w, y, y_f32, add, rows, in, out, s);
+  if (rows <= 2) return launch_rows<2, VEC>(x, x_ld, w, y, y_f32, add, rows, in, out, s);
+  if (rows <= 4) return launch_rows<4, VEC>(x, x_ld, w, y, y_f32, add, rows, in, out, s);
+  return launch_rows<8, VEC>(x, x_ld, w, y, y_f32, add, rows, in, out, s);
 }
 
 // Whether linear_rows_kernel takes 16-byte chunks for (x, w).
 bool rows_vec(const bf16* x, const bf16* w, int64_t in) { return in % 8 == 0 && aligned16(x) && aligned16(w); }
 
 // x's rows x_ld elements apart: 16-byte chunks need every row aligned too.
-int linear_kernel(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
-                  int64_t out, cudaStream_t s) {
-  return rows_vec(x, w, in) && x_ld % 8 == 0 ? dispatch_rows<8>(x, x_ld, w, y, y_f32, rows, in, out, s)
-                                             : dispatch_rows<1>(x, x_ld, w, y, y_f32, rows, in, out, s);
+int linear_kernel(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, bool add, int64_t rows,
+                  int64_t in, int64_t out, cudaStream_t s) {
+  return rows_vec(x, w, in) && x_ld % 8 == 0 ? dispatch_rows<8>(x, x_ld, w, y, y_f32, add, rows, in, out, s)
+                                             : dispatch_rows<1>(x, x_ld, w, y, y_f32, add, rows, in, out, s);
 }
 
 template <int RT, int VEC>
@@ -243,7 +248,7 @@ struct LtDescs {
 // True when cuBLASLt enqueued it; false when it has no algorithm (or failed before enqueueing).
 bool cublaslt_product(const Context& ctx, const bf16* x, int64_t ldx, int64_t stride_x, const bf16* w, int64_t ldw,
                       int64_t stride_w, bool w_out_in, void* y, bool y_f32, int64_t ldy, int64_t stride_y,
-                      int64_t rows, int64_t in, int64_t out, int batch) {
+                      int64_t rows, int64_t in, int64_t out, int batch, float beta = 0.f) {
   if (ctx.lt == nullptr) return false;
   auto lt = reinterpret_cast<cublasLtHandle_t>(ctx.lt);
   const auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
@@ -292,14 +297,15 @@ bool cublaslt_product(const Context& ctx, const bf16* x, int64_t ldx, int64_t st
   int found = 0;
   if (!ok(cublasLtMatmulAlgoGetHeuristic(lt, d.op, d.a, d.b, d.c, d.c, d.pref, 1, &heur, &found)) || found < 1)
     return false;
-  const float alpha = 1.f, beta = 0.f;
+  const float alpha = 1.f;
   return ok(cublasLtMatmul(lt, d.op, &alpha, w, d.a, x, d.b, &beta, y, d.c, y, d.c, &heur.algo, ctx.workspace, ws,
                            reinterpret_cast<cudaStream_t>(ctx.stream)));
 }
 
-bool linear_cublaslt(const Context& ctx, const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32,
+// add: y = x W^T + y (beta 1, C = D in place: the FP32 sum and y rounded once).
+bool linear_cublaslt(const Context& ctx, const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, bool add,
                      int64_t rows, int64_t in, int64_t out) {
-  return cublaslt_product(ctx, x, x_ld, 0, w, in, 0, true, y, y_f32, out, 0, rows, in, out, 1);
+  return cublaslt_product(ctx, x, x_ld, 0, w, in, 0, true, y, y_f32, out, 0, rows, in, out, 1, add ? 1.f : 0.f);
 }
 
 }  // namespace
@@ -309,22 +315,43 @@ int64_t linear_rows_kernel_max_rows() {
   return max_rows;
 }
 
-int linear_ld_via(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld, const bf16* w, void* y,
-                  bool y_f32, int64_t rows, int64_t in, int64_t out) {
-  if (rows < 0 || in <= 0 || out <= 0 || x_ld < in) return cudaErrorInvalidValue;
+namespace {
+
+// linear_ld_via, and with add (BF16 y only) linear_add_via: the skinny kernel does not add, so there the
+// rows kernel takes its place.
+int linear_path(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32,
+                bool add, int64_t rows, int64_t in, int64_t out) {
+  if (rows < 0 || in <= 0 || out <= 0 || x_ld < in || (add && y_f32)) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if (x == nullptr || w == nullptr || y == nullptr) return cudaErrorInvalidValue;
   const bool rows_kernel =
       path == LinearPath::Rows || (path == LinearPath::Auto && rows <= linear_rows_kernel_max_rows());
-  const bool skinny = !rows_kernel && (path == LinearPath::Kernel || (path == LinearPath::Auto && kLinearAutoSkinny)) &&
-                      x_ld == in && linear_skinny_fits(rows, in, x, w);
+  const bool skinny = !add && !rows_kernel &&
+                      (path == LinearPath::Kernel || (path == LinearPath::Auto && kLinearAutoSkinny)) && x_ld == in &&
+                      linear_skinny_fits(rows, in, x, w);
   const bool lt = path == LinearPath::CublasLt || (path == LinearPath::Auto && !rows_kernel && !skinny);
-  if (lt && linear_cublaslt(ctx, x, x_ld, w, y, y_f32, rows, in, out)) return cudaGetLastError();
+  if (lt && linear_cublaslt(ctx, x, x_ld, w, y, y_f32, add, rows, in, out)) return cudaGetLastError();
   if (skinny) {
     const int e = linear_skinny(ctx, x, w, y, y_f32, rows, in, out);
     if (e != cudaErrorNotSupported) return e;  // not supported: the device cannot run it, nothing enqueued
   }
-  return linear_kernel(x, x_ld, w, y, y_f32, rows, in, out, reinterpret_cast<cudaStream_t>(ctx.stream));
+  return linear_kernel(x, x_ld, w, y, y_f32, add, rows, in, out, reinterpret_cast<cudaStream_t>(ctx.stream));
+}
+
+}  // namespace
+
+int linear_ld_via(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld, const bf16* w, void* y,
+                  bool y_f32, int64_t rows, int64_t in, int64_t out) {
+  return linear_path(ctx, path, x, x_ld, w, y, y_f32, false, rows, in, out);
+}
+
+int linear_add_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, bf16* y, int64_t rows,
+                   int64_t in, int64_t out) {
+  return linear_path(ctx, path, x, in, w, y, false, true, rows, in, out);
+}
+
+int linear_add(const Context& ctx, const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t in, int64_t out) {
+  return linear_add_via(ctx, LinearPath::Auto, x, w, y, rows, in, out);
 }
 
 int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,

@@ -12,6 +12,9 @@ namespace k3::ops {
 
 // x [rows, in], w [out, in], y [rows, out] (y must not alias x).
 void linear(const float* x, const bf16* w, float* y, int64_t rows, int64_t in, int64_t out, bool round_out = true);
+// The projection added into y (a residual or a partial sum already there): y[r, o] = bf16(sum_i x[r, i] W[o, i]
+// + y[r, o]), the FP32 sum and y's BF16 value rounded once. x [rows, in], w [out, in], y [rows, out] (BF16 values).
+void linear_add(const float* x, const bf16* w, float* y, int64_t rows, int64_t in, int64_t out);
 
 }  // namespace k3::ops
 
@@ -58,6 +61,13 @@ int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w
 int linear_ld_via(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld, const bf16* w, void* y,
                   bool y_f32, int64_t rows, int64_t in, int64_t out);
 
+// As the CPU linear_add: y [rows, out] BF16 = bf16(x W^T + y), the FP32 sum and y rounded once (one launch in
+// place of a linear and an add). Auto as linear() but never the skinny kernel (it does not add): the rows
+// kernel with the add in its epilogue, or cuBLASLt with beta = 1 (C = D = y); the _via form forces the path
+// as linear_via (Kernel = the rows kernel). y must not alias x.
+int linear_add(const Context& ctx, const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t in, int64_t out);
+int linear_add_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, bf16* y, int64_t rows,
+                   int64_t in, int64_t out);
 // Several projections of the same input rows: y_j [rows, out_j] = x W_j^T for j < n (n <= kLinearGroupMax),
 // each as linear(ctx, x, w_j, y_j, y_f32_j, rows, in, out_j) would compute it, bitwise. At the rows
 // linear_rows_kernel takes in Auto (rows <= linear_rows_kernel_max_rows()) one launch does them all

@@ -51,17 +51,14 @@ void CpuBackend::attention(int l, Act x, Act out) {
 }
 
 void CpuBackend::moe(int l, Act x, int64_t row0, int64_t cs, int64_t real, Act out, bool with_shared) {
-  // x has G cs rows: the shard's padding rows past m are zero and never routed.
-  moe_ffn(*env_.config, env_.weights->layers[l].moe, at(x) + row0 * D_, cs, real, *env_.world, at(out), with_shared);
+  // x has G cs rows: the shard's padding rows past m are zero and never routed. Without the shared experts
+  // the routed rows are added into out's rows [row0, row0 + real).
+  moe_ffn(*env_.config, env_.weights->layers[l].moe, at(x) + row0 * D_, cs, real, *env_.world,
+          at(out) + (with_shared ? 0 : row0 * D_), with_shared);
 }
 
 void CpuBackend::shared_mlp(int l, Act x, int64_t rows, Act out) {
   k3::shared_mlp(*env_.config, env_.weights->layers[l].moe, at(x), rows, at(out));
-}
-
-void CpuBackend::add_rows(Act dst, Act src, int64_t row0, int64_t rows) {
-  float* d = at(dst) + row0 * D_;
-  ops::add(d, at(src), d, rows * D_);
 }
 
 void CpuBackend::dense(int l, Act x, int64_t rows, Act out) {

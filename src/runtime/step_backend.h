@@ -69,16 +69,15 @@ class StepBackend {
   virtual void copy_rows(Act dst, Act src, int64_t rows) = 0;
   // The attention of layer l on all m rows: out = the o_proj partial of the local heads.
   virtual void attention(int layer, Act x, Act out) = 0;
-  // The MoE of layer l on rows [row0, row0 + real) of x (a shard of cs rows, the rest padding) -> out [cs, D],
-  // with the shared experts or (with_shared = false) the routed part alone.
+  // The MoE of layer l on rows [row0, row0 + real) of x (a shard of cs rows, the rest padding) -> out [cs, D]
+  // with the shared experts; with_shared = false: the routed part alone, added into out's rows
+  // [row0, row0 + real) (which hold the shared experts' TP partial sum: shared_mlp, called first).
   // Collective over the world (EP): every rank calls it in every MoE layer, real = 0 included.
   virtual void moe(int layer, Act x, int64_t row0, int64_t cs, int64_t real, Act out, bool with_shared) = 0;
   // The shared experts of layer l on the first `rows` rows of x -> out (TP-sharded: this rank's partial sum).
   virtual void shared_mlp(int layer, Act x, int64_t rows, Act out) = 0;
   // The dense MLP on the first `rows` rows of x -> out (TP-sharded: this rank's partial sum).
   virtual void dense(int layer, Act x, int64_t rows, Act out) = 0;
-  // dst rows [row0, row0 + rows) += src rows [0, rows) (BF16 sums).
-  virtual void add_rows(Act dst, Act src, int64_t row0, int64_t rows) = 0;
   // The vocab-parallel lm_head on m rows of h: logits [m, V] on every TP rank.
   virtual void lm_head(Act h, int64_t m) = 0;
   // TP-group collectives on row shards (steps.h): shard [cs, D] of every rank -> all [G cs, D];

@@ -130,10 +130,9 @@ void run_layers(bool stock, StepBackend& be, const ModelConfig& c, const LayerPl
     } else if (stock) {
       be.moe(l, Act::X, 0, r.cs, r.real, Act::F, true);
     } else if (w.ffn_tp) {
-      // The routed rows of this rank's shard and the shared partial of all rows meet in one all-reduce.
-      be.moe(l, Act::X, r.r0, r.cs, r.real, Act::Sharded, false);
+      // The shared partial of all rows, the routed rows of this rank's shard added into it: one all-reduce.
       be.shared_mlp(l, Act::X, r.m, Act::F);
-      be.add_rows(Act::F, Act::Sharded, r.r0, r.real);
+      be.moe(l, Act::X, r.r0, r.cs, r.real, Act::F, false);
       be.all_reduce(Act::F, r.m);
     } else {
       be.moe(l, Act::X, r.r0, r.cs, r.real, Act::Sharded, true);

@@ -179,6 +179,43 @@ TEST(CudaLinear, MatchesCpuOnK3PerRankShapes) {
   }
 }
 
+// linear_add (y = bf16(x W^T + y), rounded once) on every path against the CPU linear_add, y starting as
+// random BF16 values as large as the products (an add left out, or y read after being written, fails):
+// odd shapes and the MoE's latent up at the rank's shape (7168 x 3584), 1 to 100 rows.
+TEST(CudaLinear, AddMatchesCpuOnEveryPath) {
+  K3_REQUIRE_GPU();
+  using ops::cuda::LinearPath;
+  struct Case {
+    int64_t in, out;
+  };
+  const Case cases[] = {{37, 33}, {136, 250}, {3584, 7168}};
+  uint64_t seed = 900;
+  for (const auto& c : cases) {
+    const auto w = random_bf16_values(static_cast<size_t>(c.in * c.out), seed++, 1.0 / std::sqrt(double(c.in)));
+    DeviceBuffer dw = upload_bf16(w);
+    const std::vector<bf16> wb = to_bf16_vec(w);
+    for (int64_t rows : {1, 2, 5, 64, 100}) {
+      const auto x = random_bf16_values(static_cast<size_t>(rows * c.in), seed++);
+      const auto y0 = random_bf16_values(static_cast<size_t>(rows * c.out), seed++);
+      std::vector<float> want = y0;
+      ops::linear_add(x.data(), wb.data(), want.data(), rows, c.in, c.out);
+      DeviceBuffer dx = upload_bf16(x);
+      for (LinearPath path : {LinearPath::Auto, LinearPath::Kernel, LinearPath::Rows, LinearPath::CublasLt}) {
+        SCOPED_TRACE(testing::Message() << "linear_add rows " << rows << " in " << c.in << " out " << c.out
+                                        << " path " << static_cast<int>(path));
+        DeviceBuffer dy = upload_bf16(y0);
+        ASSERT_EQ(ops::cuda::linear_add_via(ctx(), path, dx.get<bf16>(), dw.get<bf16>(), dy.get<bf16>(), rows, c.in,
+                                            c.out),
+                  0);
+        expect_close(download_bf16(dy, want.size()), want, kOneRounding, 0.0, "linear_add");
+      }
+    }
+  }
+  DeviceBuffer dummy(64);
+  EXPECT_NE(ops::cuda::linear_add(ctx(), dummy.get<bf16>(), dummy.get<bf16>(), dummy.get<bf16>(), 1, 0, 1), 0)
+      << "in = 0";
+}
+
 // Skinny GEMM (2..64 rows, ops::cuda::linear_skinny) against a float64 loop written from the math.
 //
 // Tolerance per output: 2^-16 of the sum of the terms' magnitudes for the FP32 sum (the tensor cores

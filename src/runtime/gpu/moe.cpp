@@ -2,7 +2,7 @@
 // of model/layers.h's moe_ffn / dense_ffn:
 //   router logits (FP32) and z = W_down x (one projection group) -> biased top-k, renormalised weights
 //   -> the routed experts (local, loopback, or the EP exchange over the world)
-//   -> y = RMSNorm(sum) -> W_up y + shared(x); dense: the SiTU-GLU MLP.
+//   -> y = RMSNorm(sum) -> shared(x), then W_up y added into it (linear_add); dense: the SiTU-GLU MLP.
 #include "ops/elementwise.h"
 #include "ops/ep.h"
 #include "ops/linear.h"
@@ -17,7 +17,8 @@ namespace cu = ops::cuda;
 
 #define K3_LAUNCH(expr) CUDA_CHECK(static_cast<cudaError_t>(expr))
 
-// The MoE of layer l on rows [row0, row0 + real) of x -> out [real, D]. With real
+// The MoE of layer l on rows [row0, row0 + real) of x -> out [real, D] (with_shared = false: added into out's
+// rows [row0, row0 + real), which hold the shared experts' TP partial sum). With real
 // collectives every rank calls it for every MoE layer, real = 0 included (the EP
 // exchange spans the world).
 void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t rows, Act outa, bool with_shared) {
@@ -30,7 +31,7 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t rows, Act outa, 
   const int k = e.experts_per_token;
   const ops::SituParams situ{c_.situ_beta, c_.situ_linear_beta};
   const bf16* x = act(xa) + row0 * D;
-  bf16* out = act(outa);
+  bf16* out = act(outa) + (with_shared ? 0 : row0 * D);
   Carve scratch = layer_scratch();
   const MoeScratch m = carve_moe(scratch, c_, dims_, rows);
   mark("moe.router_down");
@@ -65,14 +66,14 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t rows, Act outa, 
   }
   mark("moe.norm_up");
   K3_LAUNCH(cu::rmsnorm(m.y, w.norm, m.y, rows, L, c_.rms_norm_eps, s));
-  if (!with_shared) {  // the shared experts run TP-sharded on all rows (shared_mlp)
-    K3_LAUNCH(cu::linear(ctx_, m.y, w.up, out, false, rows, L, D));
-    return;
+  // The shared experts' output first (with_shared = false: their TP partial sum is already in out, shared_mlp),
+  // then W_up y added into it in the projection's epilogue.
+  if (with_shared) {
+    mark("moe.shared");
+    K3_LAUNCH(cu::mlp(ctx_, x, w.shared_gate, w.shared_up, w.shared_down, out, rows, D, S, situ, m.mlp));
+    mark("moe.norm_up");
   }
-  K3_LAUNCH(cu::linear(ctx_, m.y, w.up, m.up, false, rows, L, D));
-  mark("moe.shared");
-  K3_LAUNCH(cu::mlp(ctx_, x, w.shared_gate, w.shared_up, w.shared_down, m.shared, rows, D, S, situ, m.mlp));
-  K3_LAUNCH(cu::add(m.up, m.shared, out, rows * D, s));
+  K3_LAUNCH(cu::linear_add(ctx_, m.y, w.up, out, rows, L, D));
 }
 
 // The EP exchange over the world (ops/ep.h): the shard's (row, choice) pairs packed
@@ -119,11 +120,6 @@ void GpuRank::dense(int l, Act x, int64_t rows, Act out) {
   if (rows > 0)
     K3_LAUNCH(cu::mlp(ctx_, act(x), w.gate, w.up, w.down, act(out), rows, c_.hidden_size, w.rows,
                       ops::SituParams{c_.situ_beta, c_.situ_linear_beta}, mlp));
-}
-
-void GpuRank::add_rows(Act dst, Act src, int64_t row0, int64_t rows) {
-  bf16* d = act(dst) + row0 * c_.hidden_size;
-  if (rows > 0) K3_LAUNCH(cu::add(d, act(src), d, rows * c_.hidden_size, ctx_.stream));
 }
 
 }  // namespace k3

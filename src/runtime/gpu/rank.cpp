@@ -271,8 +271,7 @@ bf16* GpuRank::act(Act a) {
     case Act::F: return f_.get<bf16>();
     case Act::Gathered: return one ? x_.get<bf16>() : step_.gathered;
     case Act::Partial: return one ? a_.get<bf16>() : step_.partial;
-    // (not with TP-sharded FFNs: there the shard's routed rows are added to F's shared partial)
-    case Act::Sharded: return one && !weights_.w.ffn_tp ? f_.get<bf16>() : step_.sharded;
+    case Act::Sharded: return one ? f_.get<bf16>() : step_.sharded;
   }
   return nullptr;
 }

@@ -108,7 +108,6 @@ class GpuRank final : private StepBackend {
   void moe(int layer, Act x, int64_t row0, int64_t cs, int64_t real, Act out, bool with_shared) override;
   void shared_mlp(int layer, Act x, int64_t rows, Act out) override;
   void dense(int layer, Act x, int64_t rows, Act out) override;
-  void add_rows(Act dst, Act src, int64_t row0, int64_t rows) override;
   void lm_head(Act h, int64_t m) override;
   void all_gather_rows(Act shard, Act all, int64_t m) override;
   void reduce_scatter_rows(Act partial, Act shard, int64_t m) override;

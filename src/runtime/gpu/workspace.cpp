@@ -96,8 +96,6 @@ MoeScratch carve_moe(Carve& s, const ModelConfig& c, const GpuDims& d, int64_t r
   m.wts = s.take<float>(rows * k);
   m.z = s.take<bf16>(rows * L);
   m.y = s.take<bf16>(rows * L);
-  m.up = s.take<bf16>(rows * D);
-  m.shared = s.take<bf16>(rows * D);
   m.mlp = s.take<bf16>(2 * rows * d.shared_rows);
   if (d.real) {
     const int64_t slots = int64_t{d.W} * d.ep_cap;

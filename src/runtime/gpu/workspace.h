@@ -102,8 +102,6 @@ struct MoeScratch {
   float* wts;      // [rows, k] their weights
   bf16* z;         // [rows, L] latent down
   bf16* y;         // [rows, L] routed sum
-  bf16* up;        // [rows, D]
-  bf16* shared;    // [rows, D]
   bf16* mlp;       // [2 rows Sl] shared experts' gate / up
   void* experts;   // moe_experts scratch (local experts; loopback)
   bf16* exchange;  // [2 rows k, L] loopback: sent rows, then received outputs
