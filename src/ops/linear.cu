@@ -39,6 +39,7 @@
 #include "ops/cuda_bf16.cuh"
 #include "ops/cuda_device.cuh"
 #include "ops/linear.h"
+#include "ops/linear_rows.cuh"
 
 namespace k3::ops::cuda {
 namespace {
@@ -46,18 +47,8 @@ namespace {
 using detail::aligned16;
 using detail::kWarp;
 
-constexpr int kLinThreads = 128;
-constexpr int kLinOut = 4;  // output features per CTA
-
-// VEC consecutive read-only bf16 -> floats (VEC = 8: one 16-byte load, needs 16-byte alignment).
-template <int VEC>
-__device__ __forceinline__ void load_ro(const bf16* p, float (&f)[VEC]) {
-  if constexpr (VEC == 8) {
-    detail::unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p)), f);
-  } else {
-    f[0] = detail::bf16_to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
-  }
-}
+using rows_detail::kLinOut;
+using rows_detail::kLinThreads;
 
 // One CTA's tile of linear_rows_kernel: block b of the projection's grid (row tile b % row_tiles, features
 // 4 (b / row_tiles) ..). The grouped kernel runs the same code per projection, so its outputs are bitwise
@@ -76,51 +67,13 @@ __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16
   const bf16* wrow[kLinOut];
 #pragma unroll
   for (int o = 0; o < kLinOut; ++o) wrow[o] = w + (o0 + min(o, no - 1)) * in;
+  rows_detail::tile_sums<RT, VEC>(x, wrow, r0, nr, in, x_ld, red);
 
-  float acc[kLinOut][RT];
-#pragma unroll
-  for (int o = 0; o < kLinOut; ++o) {
-#pragma unroll
-    for (int r = 0; r < RT; ++r) acc[o][r] = 0.f;
-  }
-
-  const int64_t chunks = in / VEC;
-#pragma unroll 2
-  for (int64_t c = threadIdx.x; c < chunks; c += kLinThreads) {
-    float wv[kLinOut][VEC];
-#pragma unroll
-    for (int o = 0; o < kLinOut; ++o) load_ro<VEC>(wrow[o] + c * VEC, wv[o]);
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      if (r < nr) {
-        float xv[VEC];
-        load_ro<VEC>(x + (r0 + r) * x_ld + c * VEC, xv);
-#pragma unroll
-        for (int o = 0; o < kLinOut; ++o) {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[o][r] = fmaf(xv[i], wv[o][i], acc[o][r]);
-        }
-      }
-    }
-  }
-
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-#pragma unroll
-  for (int o = 0; o < kLinOut; ++o) {
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      const float v = detail::warp_sum(acc[o][r]);
-      if (lane == 0) red[warp][o * RT + r] = v;
-    }
-  }
-  __syncthreads();
   const int t = threadIdx.x;
   if (t < kLinOut * RT) {
     const int o = t / RT, r = t % RT;
     if (o < no && r < nr) {
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < kLinThreads / kWarp; ++i) s += red[i][t];
+      float s = rows_detail::red_sum<RT>(red, t);
       const int64_t at = (r0 + r) * out + o0 + o;
       if (y_f32) {
         static_cast<float*>(y)[at] = s;

@@ -56,14 +56,18 @@ void expert_mlp(const float* z, Mxfp4Matrix w1, Mxfp4Matrix w3, Mxfp4Matrix w2, 
   mxfp4_linear(a, w2.packed, w2.scale, out, rows, I, D);
 }
 
+void linear_glu(const float* x, const bf16* w_gate, const bf16* w_up, float* h, int64_t rows, int64_t D, int64_t I,
+                SituParams p, float* scratch) {
+  linear(x, w_gate, h, rows, D, I);  // BF16-rounded
+  linear(x, w_up, scratch, rows, D, I);
+  situ_glu(h, scratch, h, rows * I, p);
+}
+
 void mlp(const float* x, const bf16* w_gate, const bf16* w_up, const bf16* w_down, float* out, int64_t rows, int64_t D,
          int64_t I, SituParams p, float* scratch) {
-  float* a = scratch;
-  float* b = scratch + rows * I;
-  linear(x, w_gate, a, rows, D, I);  // BF16-rounded
-  linear(x, w_up, b, rows, D, I);
-  situ_glu(a, b, a, rows * I, p);
-  linear(a, w_down, out, rows, I, D);
+  float* h = scratch;
+  linear_glu(x, w_gate, w_up, h, rows, D, I, p, scratch + rows * I);
+  linear(h, w_down, out, rows, I, D);
 }
 
 }  // namespace k3::ops

@@ -39,6 +39,11 @@ struct Mxfp4Matrix {
 void expert_mlp(const float* z, Mxfp4Matrix w1, Mxfp4Matrix w3, Mxfp4Matrix w2, float* out, int64_t rows, int64_t D,
                 int64_t I, SituParams p, float* scratch);
 
+// The MLPs' gate and up: h [rows, I] = situ_glu(bf16(x W_gate^T), bf16(x W_up^T)); x [rows, D]; w_gate, w_up
+// [I, D]. scratch >= rows * I floats (h may not alias it).
+void linear_glu(const float* x, const bf16* w_gate, const bf16* w_up, float* h, int64_t rows, int64_t D, int64_t I,
+                SituParams p, float* scratch);
+
 // BF16 MLP: x [rows, D]; w_gate, w_up [I, D]; w_down [D, I]; out [rows, D]. scratch >= 2 * rows * I floats.
 void mlp(const float* x, const bf16* w_gate, const bf16* w_up, const bf16* w_down, float* out, int64_t rows, int64_t D,
          int64_t I, SituParams p, float* scratch);
@@ -60,8 +65,17 @@ int mxfp4_linear(const bf16* x, const uint8_t* packed, const uint8_t* scale, bf1
 int expert_mlp(const bf16* z, Mxfp4Matrix w1, Mxfp4Matrix w3, Mxfp4Matrix w2, bf16* out, int64_t rows, int64_t D,
                int64_t I, SituParams p, bf16* scratch, CUstream_st* stream);
 
+// As the CPU linear_glu, BF16: x [rows, D] -> h [rows, I] = situ_glu(bf16(x W_gate^T), bf16(x W_up^T)),
+// bitwise linear_group of the two projections then situ_glu. At the rows kernel's row counts (rows <=
+// linear_rows_kernel_max_rows(), linear.h) and both weights equally aligned: one launch, each CTA the rows
+// kernel's tile over gate rows f, f + 1 and up rows f, f + 1 with the SiTU in its epilogue (a kernel and a
+// round trip of [2 rows I] fewer); otherwise (or fused = false) the group and situ_glu through scratch BF16
+// [2 rows I] (h may be its first half).
+int linear_glu(const Context& ctx, const bf16* x, const bf16* w_gate, const bf16* w_up, bf16* h, int64_t rows,
+               int64_t D, int64_t I, SituParams p, bf16* scratch, bool fused = true);
+
 // BF16 MLP, as the CPU mlp: x [rows, D]; w_gate, w_up [I, D]; w_down [D, I]; out [rows, D] BF16;
-// scratch BF16 [2 * rows * I].
+// scratch BF16 [2 * rows * I]. linear_glu, then the down projection.
 int mlp(const Context& ctx, const bf16* x, const bf16* w_gate, const bf16* w_up, const bf16* w_down, bf16* out,
         int64_t rows, int64_t D, int64_t I, SituParams p, bf16* scratch);
 

@@ -184,6 +184,55 @@ TEST(CudaMoe, MlpMatchesCpu) {
   }
 }
 
+// linear_glu: the fused one-launch kernel (the rows kernel's row counts) bitwise against the group of the two
+// projections then situ_glu (fused = false), both against the CPU linear_glu; the K3 per-rank shapes of the
+// shared experts (TP-sharded 768, replicated 6144) and the dense MLP (TP-sharded 4224), odd shapes (I odd: a
+// CTA with one feature), x unaligned (element-wise loads), gate and up unequally aligned (not fused), and 3
+// rows (past the rows kernel's default: the group path either way).
+TEST(CudaMoe, LinearGluFusedIsTheGroupAndSituBitwise) {
+  K3_REQUIRE_GPU();
+  struct Case {
+    int64_t rows, D, I;
+    int x_off, up_off;  // elements the device x and w_up start past a 256-byte boundary
+  };
+  const Case cases[] = {{1, 256, 384, 0, 0},  {1, 100, 37, 0, 0},  {1, 7168, 768, 0, 0}, {1, 7168, 4224, 0, 0},
+                        {1, 7168, 6144, 0, 0}, {1, 264, 33, 1, 0}, {1, 264, 40, 0, 1},  {3, 512, 96, 0, 0}};
+  uint64_t seed = 8500;
+  for (const auto& c : cases) {
+    SCOPED_TRACE(testing::Message() << "rows " << c.rows << " D " << c.D << " I " << c.I << " x+" << c.x_off
+                                    << " up+" << c.up_off);
+    const auto x = random_bf16_values(static_cast<size_t>(c.rows * c.D), seed++);
+    const auto wg = random_bf16_values(static_cast<size_t>(c.I * c.D), seed++, 2.0 / std::sqrt(double(c.D)));
+    const auto wu = random_bf16_values(static_cast<size_t>(c.I * c.D), seed++, 2.0 / std::sqrt(double(c.D)));
+    std::vector<bf16> xb = to_bf16_vec(x), wgb = to_bf16_vec(wg), wub = to_bf16_vec(wu);
+    std::vector<float> want(static_cast<size_t>(c.rows * c.I)), scratch(want.size());
+    ops::linear_glu(x.data(), wgb.data(), wub.data(), want.data(), c.rows, c.D, c.I, kSitu, scratch.data());
+    xb.insert(xb.begin(), static_cast<size_t>(c.x_off), bf16{});
+    wub.insert(wub.begin(), static_cast<size_t>(c.up_off), bf16{});
+    DeviceBuffer dx = upload(xb), dg = upload(wgb), du = upload(wub);
+    DeviceBuffer dh(want.size() * 2), dref(want.size() * 2), dscr(2 * want.size() * 2);
+    const bf16* xp = dx.get<bf16>() + c.x_off;
+    const bf16* up = du.get<bf16>() + c.up_off;
+    CUDA_CHECK(cudaMemsetAsync(dh.get(), 0xff, dh.bytes(), st()));  // NaN: an output left unwritten fails
+    ASSERT_EQ(ops::cuda::linear_glu(ctx(), xp, dg.get<bf16>(), up, dh.get<bf16>(), c.rows, c.D, c.I, kSitu,
+                                    dscr.get<bf16>()),
+              0);
+    ASSERT_EQ(ops::cuda::linear_glu(ctx(), xp, dg.get<bf16>(), up, dref.get<bf16>(), c.rows, c.D, c.I, kSitu,
+                                    dscr.get<bf16>(), /*fused=*/false),
+              0);
+    const auto got = download<bf16>(dh, want.size()), ref = download<bf16>(dref, want.size());
+    size_t differ = 0;
+    for (size_t i = 0; i < got.size(); ++i) differ += got[i].bits != ref[i].bits;
+    EXPECT_EQ(differ, 0u) << "fused and group + situ_glu outputs differ";
+    expect_close(to_float_vec(got), want, kChained, 0.0, "linear_glu");
+  }
+  DeviceBuffer dummy(64);
+  EXPECT_NE(ops::cuda::linear_glu(ctx(), dummy.get<bf16>(), dummy.get<bf16>(), dummy.get<bf16>(), dummy.get<bf16>(), 1,
+                                  8, 0, kSitu, dummy.get<bf16>()),
+            0)
+      << "I = 0";
+}
+
 // The routed experts of one rank against the CPU model's recipe (layers.cpp moe_ffn): each local expert
 // runs ops::expert_mlp on the rows that chose it, then every row sums w * output over its local j in order.
 struct MoeCase {

@@ -1,0 +1,83 @@
+// The accumulation of linear_rows_kernel's tile (linear.cu), shared with the kernels that end it in another
+// epilogue (moe.cu's SiTU-GLU of the MLPs' gate and up): a CTA of kLinThreads threads, kLinOut weight rows
+// and up to RT activation rows; its threads split the input dimension in chunks of VEC bf16 (16 bytes when
+// VEC = 8), load each weight row's chunk once and apply it to the RT rows, accumulate in FP32, reduce with
+// warp shuffles into red, then one fixed-order sum over the warps (red_sum). Every caller that takes the
+// same weight rows and rows of x gets the same bits. C++17 (nvcc).
+#pragma once
+
+#include <cstdint>
+
+#include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
+
+namespace k3::ops::cuda::rows_detail {
+
+constexpr int kLinThreads = 128;
+constexpr int kLinOut = 4;  // weight rows (output features) per CTA
+
+// VEC consecutive read-only bf16 -> floats (VEC = 8: one 16-byte load, needs 16-byte alignment).
+template <int VEC>
+__device__ __forceinline__ void load_ro(const bf16* p, float (&f)[VEC]) {
+  if constexpr (VEC == 8) {
+    detail::unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p)), f);
+  } else {
+    f[0] = detail::bf16_to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
+  }
+}
+
+// red[warp][o RT + r] = warp `warp`'s partial of sum_i x[r0 + r, i] wrow[o][i] (r < nr; x's rows x_ld apart),
+// then a barrier. in % VEC == 0.
+template <int RT, int VEC>
+__device__ __forceinline__ void tile_sums(const bf16* __restrict__ x, const bf16* const (&wrow)[kLinOut], int64_t r0,
+                                          int nr, int64_t in, int64_t x_ld,
+                                          float (&red)[kLinThreads / detail::kWarp][kLinOut * RT]) {
+  float acc[kLinOut][RT];
+#pragma unroll
+  for (int o = 0; o < kLinOut; ++o) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) acc[o][r] = 0.f;
+  }
+
+  const int64_t chunks = in / VEC;
+#pragma unroll 2
+  for (int64_t c = threadIdx.x; c < chunks; c += kLinThreads) {
+    float wv[kLinOut][VEC];
+#pragma unroll
+    for (int o = 0; o < kLinOut; ++o) load_ro<VEC>(wrow[o] + c * VEC, wv[o]);
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      if (r < nr) {
+        float xv[VEC];
+        load_ro<VEC>(x + (r0 + r) * x_ld + c * VEC, xv);
+#pragma unroll
+        for (int o = 0; o < kLinOut; ++o) {
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc[o][r] = fmaf(xv[i], wv[o][i], acc[o][r]);
+        }
+      }
+    }
+  }
+
+  const int lane = threadIdx.x % detail::kWarp, warp = threadIdx.x / detail::kWarp;
+#pragma unroll
+  for (int o = 0; o < kLinOut; ++o) {
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+      const float v = detail::warp_sum(acc[o][r]);
+      if (lane == 0) red[warp][o * RT + r] = v;
+    }
+  }
+  __syncthreads();
+}
+
+// The sum of entry t over the warps, in warp order.
+template <int RT>
+__device__ __forceinline__ float red_sum(const float (&red)[kLinThreads / detail::kWarp][kLinOut * RT], int t) {
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < kLinThreads / detail::kWarp; ++i) s += red[i][t];
+  return s;
+}
+
+}  // namespace k3::ops::cuda::rows_detail
