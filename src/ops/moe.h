@@ -109,6 +109,11 @@ constexpr int kMoeMaxLocalExperts = 6144;
 // are multiples of 64 and either K3_MOE_WG=1 was in the environment at the first call or this set it
 // (tests); false: today's kernels.
 void moe_experts_force_wg(bool on);
+// The split-K kernel's team size (a few pairs per expert): 0 = by the wave (teams of 8 warps when every item
+// gets its own CTA in one wave, else of 4), 1 = always 4, 2 = always 8. Set by K3_MOE_TEAM at the first call
+// (A/B runs) or by this (tests); any other value means 0. The size splits K differently, so the FP32 sum
+// order (not the tolerance against the CPU) changes with it.
+void moe_experts_force_team(int choice);
 int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const float* w, const Mxfp4ExpertTable& experts,
                 int expert_begin, int expert_count, bf16* y, void* scratch, int64_t rows, int k, int64_t L, int64_t I,
                 SituParams p);

@@ -563,16 +563,31 @@ int ctas_per_sm(int threads, size_t dyn_smem) {
   return cached[dev];
 }
 
+// -1: not decided yet (K3_MOE_TEAM read at the first call), else 0 (by the wave), 1 (teams of 4) or 2 (of 8).
+std::atomic<int> g_team{-1};
+
+int team_choice() {
+  int v = g_team.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const int want = static_cast<int>(env_int("K3_MOE_TEAM", 0, 2, 0));
+    g_team.compare_exchange_strong(v, want, std::memory_order_relaxed);
+    v = g_team.load(std::memory_order_relaxed);
+  }
+  return v;
+}
+
 template <bool UP>
 int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K, int64_t N,
                   int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
   const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
   // The table (64 KiB) passes the 48 KiB a CTA gets without asking.
   if (const cudaError_t e = detail::allow_optin_smem<moe_mma_splitk_kernel<UP>>(); e != cudaSuccess) return e;
-  // Teams of 8 warps when every item gets its own CTA in one wave, else of 4 (two per CTA).
+  // Teams of 8 warps when every item gets its own CTA in one wave, else of 4 (two per CTA); K3_MOE_TEAM (or
+  // moe_experts_force_team) fixes one size for A/B runs.
   const int64_t items = max_slots * tiles;
   const int64_t slots = int64_t{sms} * ctas_per_sm<moe_mma_splitk_kernel<UP>>(kSplitThreads, kLutBytes);
-  const int team_warps = items <= slots ? kSplitWarps : kSplitWarps / 2;
+  const int team = team_choice();
+  const int team_warps = team == 1 ? kSplitWarps / 2 : team == 2 || items <= slots ? kSplitWarps : kSplitWarps / 2;
   const int64_t teams = kSplitWarps / team_warps;
   const int64_t blocks = std::min<int64_t>((items + teams - 1) / teams, slots);
   return detail::launch(moe_mma_splitk_kernel<UP>, static_cast<unsigned>(std::max<int64_t>(1, blocks)), kSplitThreads,
@@ -650,6 +665,10 @@ bool use_wg() {
 }  // namespace
 
 void moe_experts_force_wg(bool on) { g_force_wg.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+void moe_experts_force_team(int choice) {
+  g_team.store(choice == 1 || choice == 2 ? choice : 0, std::memory_order_relaxed);
+}
 
 int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const float* w, const Mxfp4ExpertTable& experts,
                 int expert_begin, int expert_count, bf16* y, void* scratch, int64_t rows, int k, int64_t L, int64_t I,

@@ -434,6 +434,25 @@ TEST(CudaMoe, MoeExpertsWgMatchesCpuK3RankSlice) {
   check_moe_experts({64, 16, 3584, 3072, 896, 280, 28, 3}, 9201);
 }
 
+// The split-K kernel with each team size forced (moe_experts_force_team: 1 = teams of 4 warps, 2 = of 8,
+// whatever the wave), on the cases that take it (1-2 pairs per expert: the K3 rank slice at one row, 8 x 2
+// pairs at K3's I), then back to what K3_MOE_TEAM asks for.
+TEST(CudaMoe, MoeExpertsMatchesCpuWithEitherTeamSize) {
+  K3_REQUIRE_GPU();
+  struct Restore {
+    ~Restore() {
+      const char* e = std::getenv("K3_MOE_TEAM");
+      ops::cuda::moe_experts_force_team(e != nullptr ? std::atoi(e) : 0);
+    }
+  } restore;
+  for (int team : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << "team choice " << team);
+    ops::cuda::moe_experts_force_team(team);
+    check_moe_experts({8, 2, 512, 3072, 8, 0, 8, 2}, 9340 + team);
+    check_moe_experts({1, 16, 3584, 3072, 896, 280, 28, 2}, 9350 + team);
+  }
+}
+
 TEST(CudaMoe, MoeExpertsRejectsBadArguments) {
   K3_REQUIRE_GPU();
   const int64_t rows = 2, L = 64, I = 32;
