@@ -9,8 +9,4 @@ void gate_sigmoid(const float* o, const float* gate, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = round_bf16(o[i] * (1.0f / (1.0f + std::exp(-gate[i]))));
 }
 
-void add(const float* a, const float* b, float* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) out[i] = round_bf16(a[i] + b[i]);
-}
-
 }  // namespace k3::ops

@@ -1,4 +1,4 @@
-// CUDA kernels of the small elementwise ops (math in ops/elementwise.h): gate_sigmoid, add, to_bf16 and
+// CUDA kernels of the small elementwise ops (math in ops/elementwise.h): gate_sigmoid, to_bf16 and
 // scale (grid-stride loops, one value per thread), cache_write (one CTA per row: the optional RMSNorm of
 // its first norm_cols columns, w * bf16(v / rms), then the row into its paged-cache slot) and
 // remap_experts (the bench's loopback routing).
@@ -23,12 +23,6 @@ __global__ void gate_sigmoid_kernel(const bf16* o, const bf16* g, bf16* out, int
   detail::pdl_launch_dependents();
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     st(out, i, ld(o, i) * detail::sigmoid(ld(g, i)));
-}
-__global__ void add_kernel(const bf16* a, const bf16* b, bf16* out, int64_t n) {
-  detail::pdl_wait();
-  detail::pdl_launch_dependents();
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
-    st(out, i, ld(a, i) + ld(b, i));
 }
 __global__ void to_bf16_kernel(const float* x, bf16* out, int64_t n) {
   detail::pdl_wait();
@@ -101,10 +95,6 @@ int grid(int64_t n) { return static_cast<int>(std::min<int64_t>((n + 255) / 256,
 int gate_sigmoid(const bf16* o, const bf16* gate, bf16* out, int64_t n, CUstream_st* stream) {
   if (n == 0) return 0;
   return static_cast<int>(detail::launch(gate_sigmoid_kernel, grid(n), 256, 0, stream, o, gate, out, n));
-}
-int add(const bf16* a, const bf16* b, bf16* out, int64_t n, CUstream_st* stream) {
-  if (n == 0) return 0;
-  return static_cast<int>(detail::launch(add_kernel, grid(n), 256, 0, stream, a, b, out, n));
 }
 int to_bf16(const float* x, bf16* out, int64_t n, CUstream_st* stream) {
   if (n == 0) return 0;

@@ -1,6 +1,5 @@
 // Small elementwise ops between the big ones (CPU reference + CUDA):
 //   gate_sigmoid: out = bf16(o * sigmoid(gate))                 (MLA output gate)
-//   add:          out = bf16(a + b)                              (MoE routed + shared)
 //   to_bf16:      out = bf16(x) of FP32 x                        (DCP-merged MLA latent)
 //   scale:        x *= s (FP32)                                  (DSA indexer weights)
 //   cache_write:  rows of x [rows, ld] (first `width` columns) into a paged pool
@@ -16,7 +15,6 @@
 namespace k3::ops {
 
 void gate_sigmoid(const float* o, const float* gate, float* out, int64_t n);
-void add(const float* a, const float* b, float* out, int64_t n);
 
 }  // namespace k3::ops
 
@@ -24,8 +22,6 @@ namespace k3::ops::cuda {
 
 // o, gate, out BF16 [n] (out may alias o).
 int gate_sigmoid(const bf16* o, const bf16* gate, bf16* out, int64_t n, CUstream_st* stream);
-// a, b, out BF16 [n] (out may alias a or b).
-int add(const bf16* a, const bf16* b, bf16* out, int64_t n, CUstream_st* stream);
 // x F32 [n] -> out BF16 [n].
 int to_bf16(const float* x, bf16* out, int64_t n, CUstream_st* stream);
 // x F32 [n] in place.

@@ -49,6 +49,7 @@ using detail::kWarp;
 
 using rows_detail::kLinOut;
 using rows_detail::kLinThreads;
+using rows_detail::rows_vec;
 
 // One CTA's tile of linear_rows_kernel: block b of the projection's grid (row tile b % row_tiles, features
 // 4 (b / row_tiles) ..). The grouped kernel runs the same code per projection, so its outputs are bitwise
@@ -144,7 +145,6 @@ int dispatch_rows(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f3
 }
 
 // Whether linear_rows_kernel takes 16-byte chunks for (x, w).
-bool rows_vec(const bf16* x, const bf16* w, int64_t in) { return in % 8 == 0 && aligned16(x) && aligned16(w); }
 
 // x's rows x_ld elements apart: 16-byte chunks need every row aligned too.
 int linear_kernel(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, bool add, int64_t rows,

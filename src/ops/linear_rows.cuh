@@ -71,6 +71,11 @@ __device__ __forceinline__ void tile_sums(const bf16* __restrict__ x, const bf16
   __syncthreads();
 }
 
+// Whether the tile takes 16-byte chunks (VEC = 8) for (x, w): in % 8 == 0 and both 16-byte aligned.
+inline bool rows_vec(const bf16* x, const bf16* w, int64_t in) {
+  return in % 8 == 0 && detail::aligned16(x) && detail::aligned16(w);
+}
+
 // The sum of entry t over the warps, in warp order.
 template <int RT>
 __device__ __forceinline__ float red_sum(const float (&red)[kLinThreads / detail::kWarp][kLinOut * RT], int t) {

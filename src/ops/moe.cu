@@ -245,8 +245,8 @@ int linear_glu(const Context& ctx, const bf16* x, const bf16* w_gate, const bf16
   if (rows < 0 || D <= 0 || I <= 0) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if (x == nullptr || w_gate == nullptr || w_up == nullptr || h == nullptr) return cudaErrorInvalidValue;
-  const bool vec = D % 8 == 0 && aligned16(x) && aligned16(w_gate), vec_up = D % 8 == 0 && aligned16(x) && aligned16(w_up);
-  if (fused && vec == vec_up && rows <= linear_rows_kernel_max_rows()) {
+  const bool vec = rows_detail::rows_vec(x, w_gate, D);
+  if (fused && vec == rows_detail::rows_vec(x, w_up, D) && rows <= linear_rows_kernel_max_rows()) {
     const int64_t blocks = rows * ((I + 1) / 2);
     if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
     const auto grid = static_cast<unsigned>(blocks);

@@ -590,7 +590,8 @@ int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, b
   const int64_t items = max_slots * tiles;
   const int64_t slots = int64_t{sms} * ctas_per_sm<moe_mma_splitk_kernel<UP>>(kSplitThreads, kLutBytes);
   const int team = team_choice();
-  const int team_warps = team == 1 ? kSplitWarps / 2 : team == 2 || items <= slots ? kSplitWarps : kSplitWarps / 2;
+  const bool eight = team == 2 || (team == 0 && items <= slots);
+  const int team_warps = eight ? kSplitWarps : kSplitWarps / 2;
   const int64_t teams = kSplitWarps / team_warps;
   const int64_t blocks = std::min<int64_t>((items + teams - 1) / teams, slots);
   return detail::launch(moe_mma_splitk_kernel<UP>, static_cast<unsigned>(std::max<int64_t>(1, blocks)), kSplitThreads,
