@@ -45,6 +45,12 @@ TEST(BenchBytes, OpGroupsSumToTheStepAndMatchTheSpec) {
             << variant << " B " << B << " q " << q;
         // The merged shared experts: gate, up, down of 2 x 3072 by 7168, BF16, on every MoE layer.
         EXPECT_DOUBLE_EQ(by.at("moe.shared"), moe_layers * 3 * 6144.0 * 7168 * 2);
+        // The router (896 x 7168 BF16 and its F32 bias) and the latent down (3584 x 7168 BF16).
+        EXPECT_DOUBLE_EQ(by.at("moe.router_down"), moe_layers * ((896.0 + 3584) * 7168 * 2 + 896 * 4));
+        // The hybrid step's tp mode: the shared experts and the latent down are 1/8 per rank, the router whole.
+        const auto tp = step_bytes_by_op(c, ShardSpec{8, 0, 32, 0, true}, B, q, 8192);
+        EXPECT_DOUBLE_EQ(tp.at("moe.shared"), moe_layers * 3 * 768.0 * 7168 * 2);
+        EXPECT_DOUBLE_EQ(tp.at("moe.router_down"), moe_layers * ((896.0 + 448) * 7168 * 2 + 896 * 4));
         if (std::string(variant) == "k3") {
           // MLA reads each request's whole latent cache (context + q entries of 576 BF16) once per layer.
           const double grow = by.at("mla.attend") - step_bytes_by_op(c, rank0, B, q, 0).at("mla.attend");

@@ -556,6 +556,12 @@ TEST(ParallelMoe, StockAndHybridPathsAreBitwiseTheSingleRankMoe) {
       k3::moe_ffn(c, whole.layers[layer].moe, x.data(), rows, rows, *solo[0].world, y.data());
       return y;
     };
+    // Its routed part alone: W_up y added into zeros.
+    auto single_routed = [&](int layer, const std::vector<float>& x, int64_t rows) {
+      std::vector<float> y(x.size(), 0.0f);
+      k3::moe_ffn(c, whole.layers[layer].moe, x.data(), rows, rows, *solo[0].world, y.data(), false);
+      return y;
+    };
 
     for (const Layout L : {Layout{4, 1, 1}, Layout{2, 2, 1}}) {
       for (int64_t rows : {int64_t{7}, int64_t{3}, int64_t{1}, int64_t{0}, int64_t{12}}) {
@@ -570,12 +576,14 @@ TEST(ParallelMoe, StockAndHybridPathsAreBitwiseTheSingleRankMoe) {
           x_of[p] = random_rows(100 + 7 * p + static_cast<uint64_t>(rows), m_of[p], D);
         }
         auto groups = k3::make_local_world(L);
-        std::vector<k3::ModelWeights> weights(W);
-        for (int w = 0; w < W; ++w)
+        std::vector<k3::ModelWeights> weights(W), sliced_weights(W);
+        for (int w = 0; w < W; ++w) {
           weights[w] = k3::load_weights(c, *m.src, k3::ShardSpec{G, L.tp_rank(w), W, w});
+          sliced_weights[w] = k3::load_weights(c, *m.src, k3::ShardSpec{G, L.tp_rank(w), W, w, true});
+        }
         // [layer][rank]
         std::vector<std::vector<std::vector<float>>> hybrid(2, std::vector<std::vector<float>>(W)),
-            stock_shard(2, std::vector<std::vector<float>>(W));
+            stock_shard(2, std::vector<std::vector<float>>(W)), sliced(2, std::vector<std::vector<float>>(W));
         run_threads(W, [&](int w) {
           const int p = L.replica(w), t = L.tp_rank(w);
           const int64_t mm = m_of[p], cw = k3::sp_shard_rows(mm, G);
@@ -588,6 +596,11 @@ TEST(ParallelMoe, StockAndHybridPathsAreBitwiseTheSingleRankMoe) {
               k3::sp_all_gather(*groups[w].tp, y.data(), cw, D, all.data());
               hybrid[i][w].assign(all.begin(), all.begin() + mm * D);
             }
+            // The hybrid step with TP-sharded FFNs: the group's m rows routed by every member, each sending
+            // its latent columns; member t's own rows get the routed output, the others stay zero.
+            sliced[i][w].assign(static_cast<size_t>(mm * D), 0.0f);
+            k3::moe_ffn(c, sliced_weights[w].layers[layers[i]].moe, x_of[p].data(), mm, mm, *groups[w].world,
+                        sliced[i][w].data(), false, k3::MoeSlice{G, t, cw});
             // The stock step's MoE: moe_ffn on this rank's shard (gathered by the test).
             std::vector<float> shard(static_cast<size_t>(cw * D));
             const int64_t real = k3::sp_shard(x_of[p].data(), mm, D, G, t, shard.data());
@@ -612,6 +625,14 @@ TEST(ParallelMoe, StockAndHybridPathsAreBitwiseTheSingleRankMoe) {
             for (int t = 0; t < G; ++t)
               EXPECT_TRUE(bit_equal(hybrid[i][p * G + t], want))
                   << "layer " << layers[i] << " replica " << p << " tp rank " << t << ": hybrid MoE";
+            const std::vector<float> routed = single_routed(layers[i], x_of[p], mm);
+            for (int t = 0; t < G; ++t) {
+              const int64_t r0 = std::min(mm, t * cw), real = std::min(mm, r0 + cw) - r0;
+              std::vector<float> want_t(static_cast<size_t>(mm * D), 0.0f);
+              std::copy_n(&routed[r0 * D], real * D, &want_t[r0 * D]);
+              EXPECT_TRUE(bit_equal(sliced[i][p * G + t], want_t))
+                  << "layer " << layers[i] << " replica " << p << " tp rank " << t << ": sliced latent down";
+            }
             if (mm > 0) {
               // Not vacuous: the MoE changed the rows.
               double norm = 0;
@@ -683,7 +704,7 @@ TEST(ParallelCounts, CollectivesPerStepFollowTheLayerPlan) {
     for (const Layout L : {Layout{1, 1, 1}, Layout{4, 1, 2}, Layout{2, 2, 2}, Layout{4, 2, 4}})
       for (int mode = 0; mode < 3; ++mode) {  // stock, hybrid, hybrid with the FFNs TP-sharded
         const StepKind step = mode == 0 ? StepKind::Stock : StepKind::Hybrid;
-        const bool ffn_tp = mode == 2;
+        const bool ffn_tp = mode == 2, sliced = ffn_tp && L.tp > 1;
         const std::string what = std::string(variant) + " " + layout_name(L) + " " + k3::step_kind_name(step) +
                                  (ffn_tp ? " ffn tp" : "");
         SCOPED_TRACE(what);
@@ -759,7 +780,8 @@ TEST(ParallelCounts, CollectivesPerStepFollowTheLayerPlan) {
             const auto& wc = n.calls[kWorld];
             EXPECT_EQ(wc[idx(CollKind::AllReduce)], W > 1 ? 1 : 0);  // the step's input agreement
             EXPECT_EQ(n.bytes[kWorld][idx(CollKind::AllReduce)], W > 1 ? 4 : 0);
-            EXPECT_EQ(wc[idx(CollKind::AllToAllV)], 4 * n_moe);  // counts, ids, latent rows, outputs
+            // counts, ids, latent rows, outputs; sliced (the latent down TP-sharded) also the rows' owners
+            EXPECT_EQ(wc[idx(CollKind::AllToAllV)], (sliced ? 5 : 4) * n_moe);
             EXPECT_EQ(wc[idx(CollKind::AllGather)] + wc[idx(CollKind::ReduceScatter)], 0);
             a2a_bytes_sum += n.bytes[kWorld][idx(CollKind::AllToAllV)];
 
@@ -777,9 +799,11 @@ TEST(ParallelCounts, CollectivesPerStepFollowTheLayerPlan) {
           }
           // EP bytes over the world, per MoE layer: W counts (I32) from every rank, and
           // every real row's k choices as an id (I32) + a latent row (BF16) out and the
-          // latent output (BF16) back. Every replica has `rows` rows.
+          // latent output (BF16) back. Every replica has `rows` rows. Sliced: each of the
+          // G members sends every pair's id, owner (I32) and Lat / G columns.
           const int64_t items = int64_t{L.dp} * rows * k;
-          EXPECT_EQ(a2a_bytes_sum, n_moe * (int64_t{W} * W * 4 + items * (4 + Lat * 2) + items * Lat * 2));
+          const int64_t out_bytes = sliced ? G * (4 + 4 + Lat / G * 2) : 4 + Lat * 2;
+          EXPECT_EQ(a2a_bytes_sum, n_moe * (int64_t{W} * W * 4 + items * out_bytes + items * Lat * 2));
         }
       }
 }

@@ -88,7 +88,8 @@ std::map<std::string, double> step_bytes_by_op(const ModelConfig& c, const Shard
                dn = a.qk_nope_head_dim, dv = a.v_head_dim, E = R + P;
   const auto& e = c.moe;
   const double L = e.latent_size, I = e.intermediate_size, k = e.experts_per_token;
-  // The shared experts and the dense MLP: 1/G of them per rank when TP-sharded (the hybrid step's tp mode).
+  // The shared experts, the dense MLP and the routed experts' latent down: 1/G of them per rank when
+  // TP-sharded (the hybrid step's tp mode).
   const double ffn_parts = sh.ffn_tp ? G : 1, S = e.shared_intermediate() / ffn_parts;
   const double local_experts = double(e.num_experts) / sh.world_size;
   // Pairs this rank's experts receive (gpu/rank.h): ceil(m k / G) for a rank slice.
@@ -120,7 +121,7 @@ std::map<std::string, double> step_bytes_by_op(const ModelConfig& c, const Shard
     if (l < e.first_k_dense_replace) {
       by["dense_mlp"] += 3 * double(c.dense_intermediate_size) / ffn_parts * D * 2;
     } else {
-      by["moe.router_down"] += (e.num_experts * D + L * D) * 2 + e.num_experts * 4;
+      by["moe.router_down"] += (e.num_experts * D + L / ffn_parts * D) * 2 + e.num_experts * 4;
       by["moe.experts"] += touched * expert;
       by["moe.norm_up"] += (L + L * D) * 2;
       by["moe.shared"] += 3 * S * D * 2;

@@ -232,20 +232,31 @@ void mla_attention(const ModelConfig& c, const MlaWeights& w, int layer, const f
 }
 
 void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, int64_t real, Comm& world,
-             float* out, bool with_shared) {
+             float* out, bool with_shared, const MoeSlice& slice) {
   const auto& e = c.moe;
-  const int64_t D = c.hidden_size, L = e.latent_size, I = e.intermediate_size, E = e.num_experts;
+  const int64_t D = c.hidden_size, L = e.latent_size, I = e.intermediate_size, E = e.num_experts, Ll = w.down_rows;
   const int k = e.experts_per_token, W = world.size();
   const int64_t per_rank = E / W;
-  Buf logits = buf(real * E), weights = buf(real * k), z = buf(real * L);
+  const bool sliced = Ll < L;
+  const int Gs = sliced ? slice.G : 1;
+  K3_CHECK(!sliced || (int64_t{Gs} * Ll == L && W % Gs == 0 && slice.t >= 0 && slice.t < Gs && !with_shared &&
+                       rows == real && real <= Gs * slice.cs),
+           "moe: latent down rows {} of {} need the sliced call (G {}, member {}, {} of {} rows, {} per member)", Ll, L,
+           slice.G, slice.t, real, rows, slice.cs);
+  // Own rows [own0, own0 + own): all real rows, or (sliced) member t's.
+  const int64_t own0 = sliced ? std::min(real, slice.t * slice.cs) : 0,
+                own = sliced ? std::min(real, own0 + slice.cs) - own0 : real;
+  auto owner = [&](int64_t i) { return sliced ? static_cast<int32_t>((i / k) / slice.cs) : 0; };
+  Buf logits = buf(real * E), weights = buf(real * k), z = buf(real * Ll);
   std::vector<int32_t> idx(static_cast<size_t>(real * k));
   if (real > 0) {
     ops::linear(x, w.gate, logits.data(), real, D, E, /*round_out=*/false);
     ops::route(logits.data(), w.gate_bias, real, static_cast<int>(E), k, e.renormalize, e.routed_scaling_factor,
                idx.data(), weights.data());
-    ops::linear(x, w.down, z.data(), real, D, L);
+    ops::linear(x, w.down, z.data(), real, D, Ll);
   }
-  // Dispatch: every (row, choice) goes to the rank owning its expert, in (row, choice) order.
+  // Dispatch: every (row, choice) goes to the rank owning its expert, in (row, choice) order, with the
+  // member that owns its row (sliced: every member sends its slice of every pair).
   std::vector<std::vector<int64_t>> items(W);
   for (int64_t i = 0; i < real * k; ++i) items[idx[i] / per_rank].push_back(i);
   std::vector<int32_t> send_n(W), recv_n(W);
@@ -257,65 +268,115 @@ void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t 
   for (int p = 0; p < W; ++p) {
     sc[p] = send_n[p];
     rc[p] = recv_n[p];
-    scL[p] = sc[p] * L;
-    rcL[p] = rc[p] * L;
+    scL[p] = sc[p] * Ll;
+    rcL[p] = rc[p] * Ll;
     nsend += sc[p];
     nrecv += rc[p];
   }
-  std::vector<int32_t> send_ids, recv_ids(static_cast<size_t>(nrecv));
-  Buf send_z, recv_z = buf(nrecv * L);
+  std::vector<int32_t> send_ids, send_own, recv_ids(static_cast<size_t>(nrecv)), recv_own(static_cast<size_t>(nrecv));
+  Buf send_z, recv_z = buf(nrecv * Ll);
   for (int p = 0; p < W; ++p)
     for (int64_t i : items[p]) {
       send_ids.push_back(idx[i]);
-      send_z.insert(send_z.end(), &z[(i / k) * L], &z[(i / k) * L] + L);
+      send_own.push_back(owner(i));
+      send_z.insert(send_z.end(), &z[(i / k) * Ll], &z[(i / k) * Ll] + Ll);
     }
   send_ids.resize(static_cast<size_t>(nsend));
-  send_z.resize(static_cast<size_t>(nsend * L));
+  send_own.resize(static_cast<size_t>(nsend));
+  send_z.resize(static_cast<size_t>(nsend * Ll));
   world.all_to_all_v(send_ids.data(), sc.data(), recv_ids.data(), rc.data(), DType::I32);
+  if (sliced) world.all_to_all_v(send_own.data(), sc.data(), recv_own.data(), rc.data(), DType::I32);
   all_to_all_v_bf16(world, send_z.data(), scL.data(), recv_z.data(), rcL.data());
+  // The latent rows: what arrived (whole rows), or each group's pairs joined from its G members' slices
+  // (every member sent the same pairs: the first member's count, ids and owners; a mismatch is an error below).
+  std::vector<int64_t> first(W + 1, 0);
+  for (int p = 0; p < W; ++p) first[p + 1] = first[p] + rc[p];
+  std::vector<int64_t> src, group;  // [nfull] the first member's received index of each joined pair, its group
+  for (int g = 0; g < W / Gs; ++g)
+    for (int64_t j = 0; j < rc[g * Gs]; ++j) {
+      src.push_back(first[g * Gs] + j);
+      group.push_back(g);
+    }
+  const int64_t nfull = static_cast<int64_t>(src.size());
+  bool counts_agree = true;
+  Buf full_z = sliced ? buf(nfull * L) : Buf{};
+  if (sliced)
+    for (int64_t q = 0, g = 0; g < W / Gs; ++g)
+      for (int64_t j = 0; j < rc[g * Gs]; ++j, ++q)
+        for (int t = 0; t < Gs; ++t) {
+          const int64_t p = g * Gs + t;
+          if (rc[p] != rc[g * Gs]) counts_agree = false;
+          if (j < rc[p]) std::copy_n(&recv_z[(first[p] + j) * Ll], Ll, &full_z[q * L + t * Ll]);
+        }
+  const float* zin_all = sliced ? full_z.data() : recv_z.data();
   // Each local expert runs once on the items routed to it.
-  Buf recv_out = buf(nrecv * L), zin, zout, scratch;
+  Buf full_out = buf(nfull * L), zin, zout, scratch;
   std::vector<int64_t> members;
   for (int64_t ex = 0; ex < static_cast<int64_t>(w.experts.size()); ++ex) {
     members.clear();
-    for (int64_t j = 0; j < nrecv; ++j)
-      if (recv_ids[j] == w.expert_begin + ex) members.push_back(j);
+    for (int64_t q = 0; q < nfull; ++q)
+      if (recv_ids[src[q]] == w.expert_begin + ex) members.push_back(q);
     if (members.empty()) continue;
     const int64_t n = static_cast<int64_t>(members.size());
     zin.assign(static_cast<size_t>(n * L), 0.0f);
     zout.assign(static_cast<size_t>(n * L), 0.0f);
     scratch.assign(static_cast<size_t>(2 * n * I), 0.0f);
-    for (int64_t j = 0; j < n; ++j) std::copy_n(&recv_z[members[j] * L], L, &zin[j * L]);
+    for (int64_t j = 0; j < n; ++j) std::copy_n(&zin_all[members[j] * L], L, &zin[j * L]);
     const ExpertWeights& xw = w.experts[ex];
     ops::expert_mlp(zin.data(), xw.w1, xw.w3, xw.w2, zout.data(), n, L, I, situ(c), scratch.data());
-    for (int64_t j = 0; j < n; ++j) std::copy_n(&zout[j * L], L, &recv_out[members[j] * L]);
+    for (int64_t j = 0; j < n; ++j) std::copy_n(&zout[j * L], L, &full_out[members[j] * L]);
   }
-  // Combine: outputs come back in the order they were sent.
-  Buf back = buf(nsend * L), expert_out = buf(real * k * L);
-  all_to_all_v_bf16(world, recv_out.data(), rcL.data(), back.data(), scL.data());
+  // Return: each output to the member owning its row (whole rows: the sender), in the order it was sent;
+  // a rank gets back the outputs of its own pairs, per expert owner in (row, choice) order.
+  std::vector<int64_t> ret(W, 0), retL(W), own_n(W, 0), own_nL(W);
+  std::vector<std::vector<int64_t>> ret_rows(W);
+  for (int64_t q = 0; q < nfull; ++q) {
+    const int32_t o = sliced ? std::clamp<int32_t>(recv_own[src[q]], 0, Gs - 1) : 0;
+    ret_rows[group[q] * Gs + o].push_back(q);
+  }
+  Buf send_back;
+  for (int p = 0; p < W; ++p) {
+    ret[p] = static_cast<int64_t>(ret_rows[p].size());
+    retL[p] = ret[p] * L;
+    for (int64_t q : ret_rows[p]) send_back.insert(send_back.end(), &full_out[q * L], &full_out[q * L] + L);
+  }
+  std::vector<std::vector<int64_t>> mine(W);  // this rank's own pairs per expert owner
+  for (int p = 0; p < W; ++p)
+    for (int64_t i : items[p])
+      if (i >= own0 * k && i < (own0 + own) * k) mine[p].push_back(i);
+  int64_t nback = 0;
+  for (int p = 0; p < W; ++p) {
+    own_n[p] = static_cast<int64_t>(mine[p].size());
+    own_nL[p] = own_n[p] * L;
+    nback += own_n[p];
+  }
+  Buf back = buf(nback * L), expert_out = buf(own * k * L);
+  send_back.resize(static_cast<size_t>(nfull * L));
+  all_to_all_v_bf16(world, send_back.data(), retL.data(), back.data(), own_nL.data());
   // Checked only after the last exchange, so that a failure never leaves a peer waiting.
+  K3_CHECK(counts_agree, "moe: the members of a TP group sent different pair counts (their routing differs)");
   for (int64_t j = 0; j < nrecv; ++j)
     K3_CHECK(recv_ids[j] >= w.expert_begin && recv_ids[j] < w.expert_begin + static_cast<int64_t>(w.experts.size()),
              "moe: expert {} routed to a rank holding {}..{}", recv_ids[j], w.expert_begin,
              w.expert_begin + w.experts.size() - 1);
   int64_t at = 0;
   for (int p = 0; p < W; ++p)
-    for (int64_t i : items[p]) std::copy_n(&back[(at++) * L], L, &expert_out[i * L]);
+    for (int64_t i : mine[p]) std::copy_n(&back[(at++) * L], L, &expert_out[(i - own0 * k) * L]);
   if (with_shared) std::fill(out, out + rows * D, 0.0f);
-  if (real == 0) return;
-  Buf y = buf(real * L);
-  for (int64_t r = 0; r < real; ++r)
+  if (own == 0) return;
+  Buf y = buf(own * L);
+  for (int64_t r = 0; r < own; ++r)
     for (int j = 0; j < k; ++j) {
-      const float wt = weights[r * k + j];
-      const float* src = &expert_out[(r * k + j) * L];
-      for (int64_t i = 0; i < L; ++i) y[r * L + i] += wt * src[i];
+      const float wt = weights[(own0 + r) * k + j];
+      const float* from = &expert_out[(r * k + j) * L];
+      for (int64_t i = 0; i < L; ++i) y[r * L + i] += wt * from[i];
     }
-  round_bf16_inplace(y.data(), real * L);
-  ops::rmsnorm(y.data(), w.norm, y.data(), real, L, c.rms_norm_eps);
+  round_bf16_inplace(y.data(), own * L);
+  ops::rmsnorm(y.data(), w.norm, y.data(), own, L, c.rms_norm_eps);
   // The shared experts' output first (with_shared = false: the caller's TP partial sum of them is in out),
   // then W_up y added into it, rounded once.
   if (with_shared) shared_mlp(c, w, x, real, out);
-  ops::linear_add(y.data(), w.up, out, real, L, D);
+  ops::linear_add(y.data(), w.up, out + own0 * D, own, L, D);
 }
 
 void shared_mlp(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, float* out) {

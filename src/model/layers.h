@@ -25,7 +25,10 @@
 //   in the row's chosen order; y = RMSNorm(y; routed_expert_norm); out = bf16(W_up y +
 //   shared(x)) with shared the SiTU-GLU MLP of the merged shared experts. With the
 //   FFNs TP-sharded (ShardSpec::ffn_tp) shared(x) is this rank's partial sum over
-//   its slice of the intermediate rows, computed on all rows by the step.
+//   its slice of the intermediate rows, computed on all rows by the step, and
+//   z = W_down x is sliced too (MoeSlice): every member of the TP group routes
+//   all m rows and computes its L / G columns of z; the expert's owner joins the
+//   G slices of a pair, and the member owning the row gets the output back.
 // Dense (dense_ffn): the SiTU-GLU MLP.
 //
 // Every module works on this rank's shard of the weights (model/weights.h):
@@ -102,8 +105,16 @@ void mla_attention(const ModelConfig& c, const MlaWeights& w, int layer, const f
 // out [rows, D] = bf16(W_up y + shared(x)), the shared experts' BF16 output and the FP32 up projection
 // rounded once. with_shared = false: out [real, D] already holds the shared experts' TP partial sum of the
 // real rows (shared_mlp on all rows) and the routed part is added into it the same way.
+// Sliced (w.down_rows = L / G < L, the weights' ffn_tp): x [m, D] holds all m rows of the TP group (rows =
+// real = m) and `slice` names this rank's member t of G and the rows per member cs; out [m, D] holds the
+// shared partial sum, and the routed output of rows [t cs, min(m, (t+1) cs)) is added into those rows.
+struct MoeSlice {
+  int G = 1;       // members of the TP group
+  int t = 0;       // this rank's member index
+  int64_t cs = 0;  // rows per member (sp_shard_rows)
+};
 void moe_ffn(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, int64_t real, Comm& world,
-             float* out, bool with_shared = true);
+             float* out, bool with_shared = true, const MoeSlice& slice = {});
 // The shared experts' SiTU-GLU MLP on `rows` rows (a partial sum when they are TP-sharded).
 void shared_mlp(const ModelConfig& c, const MoeWeights& w, const float* x, int64_t rows, float* out);
 // The dense MLP (a partial sum when it is TP-sharded).

@@ -68,6 +68,9 @@ void check_shardable(const ModelConfig& c, const ShardSpec& s) {
     K3_CHECK(c.dense_intermediate_size % s.tp_size == 0,
              "layout: the dense MLP's {} intermediate rows do not divide over --tp {} (--shared-experts tp)",
              c.dense_intermediate_size, s.tp_size);
+    K3_CHECK(c.moe.latent_size % s.tp_size == 0,
+             "layout: the routed experts' latent size {} does not divide over --tp {} (--shared-experts tp)",
+             c.moe.latent_size, s.tp_size);
   }
 }
 
@@ -179,7 +182,8 @@ ModelWeights load_weights(const ModelConfig& c, const TensorSource& src, const S
       auto& e = L.moe;
       e.gate = b("block_sparse_moe.gate.weight");
       e.gate_bias = f("block_sparse_moe.gate.e_score_correction_bias");
-      e.down = b("block_sparse_moe.routed_expert_down_proj.weight");
+      e.down_rows = shard.ffn_tp ? c.moe.latent_size / G : c.moe.latent_size;
+      e.down = b("block_sparse_moe.routed_expert_down_proj.weight") + (shard.ffn_tp ? t : 0) * e.down_rows * D;
       e.norm = b("block_sparse_moe.routed_expert_norm.weight");
       e.up = b("block_sparse_moe.routed_expert_up_proj.weight");
       mlp("block_sparse_moe.shared_experts.gate_proj.weight", "block_sparse_moe.shared_experts.up_proj.weight",

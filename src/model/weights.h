@@ -80,7 +80,8 @@ struct ExpertWeights {
 struct MoeWeights {
   const bf16* gate = nullptr;          // [E, D] router
   const float* gate_bias = nullptr;    // [E] F32 e_score_correction_bias
-  const bf16* down = nullptr;          // [L, D] routed_expert_down_proj
+  int64_t down_rows = 0;               // Ll: L, or L / G when the FFNs are TP-sharded (rows [t Ll, (t+1) Ll))
+  const bf16* down = nullptr;          // [Ll, D] routed_expert_down_proj
   const bf16* norm = nullptr;          // [L] routed_expert_norm
   const bf16* up = nullptr;            // [D, L] routed_expert_up_proj
   int64_t shared_rows = 0;             // Sl: S, or S / G when the FFNs are TP-sharded (ShardSpec::ffn_tp)
@@ -132,6 +133,8 @@ struct ShardSpec {
   int world_size = 1, world_rank = 0;  // W = G x DP, w
   // The shared experts and the dense MLP TP-sharded (the hybrid step's `tp` mode): gate / up rows
   // [t Sl, (t+1) Sl) of the intermediate, down's matching columns; each rank's output is a partial sum.
+  // The routed experts' latent down projection too: rows [t L/G, (t+1) L/G), whose slices of every
+  // row of the group meet in the EP exchange (ops/ep.h).
   bool ffn_tp = false;
 };
 

@@ -51,10 +51,17 @@ void CpuBackend::attention(int l, Act x, Act out) {
 }
 
 void CpuBackend::moe(int l, Act x, int64_t row0, int64_t cs, int64_t real, Act out, bool with_shared) {
+  const MoeWeights& w = env_.weights->layers[l].moe;
+  if (w.down_rows < env_.config->moe.latent_size) {
+    // Sliced (TP-sharded latent down): all m rows routed here, this member's own rows [row0, row0 + real)
+    // added into out.
+    moe_ffn(*env_.config, w, at(x), r_.m, r_.m, *env_.world, at(out), false, MoeSlice{r_.G, r_.t, r_.cs});
+    return;
+  }
   // x has G cs rows: the shard's padding rows past m are zero and never routed. Without the shared experts
   // the routed rows are added into out's rows [row0, row0 + real).
-  moe_ffn(*env_.config, env_.weights->layers[l].moe, at(x) + row0 * D_, cs, real, *env_.world,
-          at(out) + (with_shared ? 0 : row0 * D_), with_shared);
+  moe_ffn(*env_.config, w, at(x) + row0 * D_, cs, real, *env_.world, at(out) + (with_shared ? 0 : row0 * D_),
+          with_shared);
 }
 
 void CpuBackend::shared_mlp(int l, Act x, int64_t rows, Act out) {

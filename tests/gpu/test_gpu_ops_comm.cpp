@@ -1,6 +1,6 @@
 // GPU tests of the collective helper kernels against their CPU references:
 // reduce_sum (ops/reduce.h: the rank-order sums of the device comm backends),
-// the fixed-capacity EP pack / combine (ops/ep.h) and DSA's DCP top-k steps
+// the fixed-capacity EP pack / assemble / return / combine (ops/ep.h, whole rows and slices) and DSA's DCP top-k steps
 // (ops/dcp.h, also against the top-k of the unsharded scores). All are exact:
 // the kernels must give the CPU's bits. Random inputs with mixed magnitudes (the sum depends on
 // the order), ids that include out-of-range ones, uneven destinations.
@@ -90,20 +90,36 @@ TEST(ReduceSumCuda, RejectsBadArguments) {
 }
 
 struct EpCase {
-  int64_t rows;
-  int k, L, W, experts_per_rank;
-  int64_t cap;  // >= rows k
+  int64_t rows;  // routed rows (Gs > 1: the group's m)
+  int k, L, W, experts_per_rank, Gs, t;
+  int64_t spare;  // cap = cs k + spare
 };
 
 class EpCuda : public ::testing::TestWithParam<EpCase> {};
 
-// pack on the GPU == pack on the CPU (slots, ids, rows); then an emulated exchange
-// (each slot's row "processed" by a per-expert scale), combine on both == bitwise.
-TEST_P(EpCuda, PackAndCombineMatchCpu) {
+ops::EpShard ep_shard(const EpCase& c) {
+  ops::EpShard s;
+  s.rows = c.rows;
+  s.k = c.k;
+  s.cs = c.Gs > 1 ? (c.rows + c.Gs - 1) / c.Gs : c.rows;
+  s.t = c.t;
+  s.Gs = c.Gs;
+  s.Ls = c.L / c.Gs;
+  s.experts_per_rank = c.experts_per_rank;
+  s.W = c.W;
+  s.cap = s.cs * c.k + c.spare;
+  return s;
+}
+
+// pack, assemble, return and combine on the GPU == on the CPU, bit for bit (send rows, slots, meta, joined
+// rows, returned rows, sums); the combine also against the direct weighted sum of an emulated exchange.
+TEST_P(EpCuda, PackAssembleReturnCombineMatchCpu) {
   K3_REQUIRE_GPU();
   const EpCase c = GetParam();
-  const int64_t pairs = c.rows * c.k, E = int64_t{c.W} * c.experts_per_rank, slots = c.W * c.cap;
-  Rng rng(77 + c.rows);
+  const ops::EpShard sh = ep_shard(c);
+  const int64_t pairs = c.rows * c.k, E = int64_t{c.W} * c.experts_per_rank, scap = c.Gs * sh.cap,
+                slots = c.W * sh.cap, M = sh.meta(), own0 = sh.own0(), own = sh.own(), Ls = sh.Ls;
+  Rng rng(77 + c.rows + 5 * c.Gs);
   std::vector<int32_t> idx(static_cast<size_t>(pairs));
   for (auto& x : idx) {
     // Skewed: half of the pairs go to rank 0's experts; a few ids out of range.
@@ -111,67 +127,118 @@ TEST_P(EpCuda, PackAndCombineMatchCpu) {
     x = u == 0 ? -1 : u == 1 ? static_cast<int32_t>(E) : u < 10 ? static_cast<int32_t>(rng.below(c.experts_per_rank))
                                                                  : static_cast<int32_t>(rng.below(E));
   }
-  const auto z = gputest::random_bf16_values(static_cast<size_t>(c.rows * c.L), 5 + c.L);
+  const auto z = gputest::random_bf16_values(static_cast<size_t>(c.rows * Ls), 5 + c.L);
   std::vector<float> w(static_cast<size_t>(pairs));
   for (auto& x : w) x = static_cast<float>(rng.uniform(0.01, 2.0));
-  // CPU
-  std::vector<int32_t> slot(pairs, 7), ids(slots, 7);
-  std::vector<float> send(slots * c.L, 0.0f);
-  ops::ep_pack(idx.data(), z.data(), c.rows, c.k, c.L, c.experts_per_rank, c.W, c.cap, slot.data(), ids.data(),
-               send.data());
-  // GPU (send zeroed as the CPU's was, so unused rows compare equal)
-  DeviceBuffer d_idx = upload(idx), d_z = upload(to_bf16_vec(z)), d_slot(pairs * 4 + 4), d_ids(slots * 4 + 4),
-               d_send = upload(std::vector<bf16>(slots * c.L, to_bf16(0.0f)));
   auto* s = gputest::ctx().stream;
-  K3_CU(ops::cuda::ep_pack(d_idx.get<int32_t>(), d_z.get<bf16>(), c.rows, c.k, c.L, c.experts_per_rank, c.W, c.cap,
-                           d_slot.get<int32_t>(), d_ids.get<int32_t>(), d_send.get<bf16>(), s));
-  EXPECT_EQ(download<int32_t>(d_slot, pairs), slot);
-  EXPECT_EQ(download<int32_t>(d_ids, slots), ids);
+  // pack (send zeroed on both sides, so that unused rows compare equal)
+  std::vector<int32_t> slot(own * c.k, 7), send_slot(pairs, 7), meta(c.W * M, 7);
+  std::vector<float> send(slots * c.L, 0.0f);
+  ops::ep_pack(idx.data(), z.data(), sh, slot.data(), send_slot.data(), meta.data(), send.data());
+  DeviceBuffer d_idx = upload(idx), d_z = upload(to_bf16_vec(z)), d_slot(own * c.k * 4 + 4), d_send_slot(pairs * 4 + 4),
+               d_meta(c.W * M * 4 + 4), d_send = upload(std::vector<bf16>(slots * c.L, to_bf16(0.0f)));
+  K3_CU(ops::cuda::ep_pack(d_idx.get<int32_t>(), d_z.get<bf16>(), sh, d_slot.get<int32_t>(),
+                           d_send_slot.get<int32_t>(), d_meta.get<int32_t>(), d_send.get<bf16>(), s));
+  EXPECT_EQ(download<int32_t>(d_slot, own * c.k), slot);
+  EXPECT_EQ(download<int32_t>(d_send_slot, pairs), send_slot);
+  EXPECT_EQ(download<int32_t>(d_meta, c.W * M), meta);
   EXPECT_EQ(to_float_vec(download<bf16>(d_send, slots * c.L)), send);
-  // The CPU slots are the dispatch order of moe_ffn: per destination, pairs in (row, choice) order.
+  // The send slots are the dispatch order of moe_ffn: per destination, pairs in (row, choice) order.
   for (int64_t i = 0, prev = -1; i < pairs; ++i)
-    if (slot[i] >= 0 && slot[i] / c.cap == 0) {
-      EXPECT_GT(slot[i], prev);
-      prev = slot[i];
+    if (send_slot[i] >= 0 && send_slot[i] / scap == 0) {
+      EXPECT_GT(send_slot[i], prev);
+      prev = send_slot[i];
     }
-  // Emulated exchange + expert: back[s] = bf16(send[s] * (1 + id / 8)).
-  std::vector<float> back(slots * c.L);
-  for (int64_t q = 0; q < slots; ++q)
+  if (c.Gs > 1) {
+    // assemble: every peer's meta is this rank's (valid ids and codes), the slices random.
+    std::vector<int32_t> recv_meta(c.W * M);
+    for (int p = 0; p < c.W; ++p) std::copy_n(&meta[(p % c.W) * M], M, &recv_meta[p * M]);
+    const auto recv = gputest::random_bf16_values(static_cast<size_t>(slots * c.L), 9 + c.L);
+    std::vector<float> joined(slots * c.L, 0.0f);
+    std::vector<int32_t> ids(slots, 7), codes(slots, 7);
+    ops::ep_assemble(recv.data(), recv_meta.data(), sh, joined.data(), ids.data(), codes.data());
+    DeviceBuffer d_recv = upload(to_bf16_vec(recv)), d_recv_meta = upload(recv_meta),
+                 d_joined = upload(std::vector<bf16>(slots * c.L, to_bf16(0.0f))), d_ids(slots * 4 + 4),
+                 d_codes(slots * 4 + 4);
+    K3_CU(ops::cuda::ep_assemble(d_recv.get<bf16>(), d_recv_meta.get<int32_t>(), sh, d_joined.get<bf16>(),
+                                 d_ids.get<int32_t>(), d_codes.get<int32_t>(), s));
+    EXPECT_EQ(download<int32_t>(d_ids, slots), ids);
+    EXPECT_EQ(download<int32_t>(d_codes, slots), codes);
+    EXPECT_EQ(to_float_vec(download<bf16>(d_joined, slots * c.L)), joined);
+    int64_t valid = 0;
+    for (int32_t id : ids) valid += id >= 0;
+    EXPECT_EQ(valid > 0, pairs > 0 && std::any_of(idx.begin(), idx.end(), [&](int32_t v) { return v >= 0 && v < E; }));
+    // return: random expert outputs to their owners' rows.
+    const auto out = gputest::random_bf16_values(static_cast<size_t>(slots * c.L), 11 + c.L);
+    std::vector<float> back(slots * c.L, 0.0f);
+    ops::ep_return(out.data(), ids.data(), codes.data(), sh, back.data());
+    DeviceBuffer d_out = upload(to_bf16_vec(out)), d_back = upload(std::vector<bf16>(slots * c.L, to_bf16(0.0f)));
+    K3_CU(ops::cuda::ep_return(d_out.get<bf16>(), d_ids.get<int32_t>(), d_codes.get<int32_t>(), sh, d_back.get<bf16>(),
+                               s));
+    EXPECT_EQ(to_float_vec(download<bf16>(d_back, slots * c.L)), back);
+  }
+  // combine of the own rows after an emulated whole-row exchange: back[slot] = bf16(zrow * (1 + id / 8)), with
+  // the row's full latent standing in as this rank's own columns repeated.
+  auto zfull = [&](int64_t r, int i) { return z[r * Ls + i % Ls]; };
+  std::vector<float> back(slots * c.L, 0.0f);
+  for (int64_t q = 0; q < own * c.k; ++q) {
+    const int32_t sl = slot[q];
+    if (sl < 0) continue;
+    const int32_t id = idx[own0 * c.k + q];
     for (int i = 0; i < c.L; ++i)
-      back[q * c.L + i] = ids[q] < 0 ? 0.0f : round_bf16(send[q * c.L + i] * (1.0f + static_cast<float>(ids[q]) / 8));
-  std::vector<float> y(c.rows * c.L);
-  ops::ep_combine(back.data(), slot.data(), w.data(), c.rows, c.k, c.L, y.data());
-  DeviceBuffer d_back = upload(to_bf16_vec(back)), d_w = upload(w), d_y(c.rows * c.L * 2 + 2);
-  K3_CU(ops::cuda::ep_combine(d_back.get<bf16>(), d_slot.get<int32_t>(), d_w.get<float>(), c.rows, c.k, c.L,
+      back[sl * c.L + i] = round_bf16(zfull(own0 + q / c.k, i) * (1.0f + static_cast<float>(id) / 8));
+  }
+  std::vector<float> y(own * c.L);
+  ops::ep_combine(back.data(), slot.data(), &w[own0 * c.k], own, c.k, c.L, y.data());
+  DeviceBuffer d_back = upload(to_bf16_vec(back)), d_w = upload(w), d_y(own * c.L * 2 + 2);
+  K3_CU(ops::cuda::ep_combine(d_back.get<bf16>(), d_slot.get<int32_t>(), d_w.get<float>() + own0 * c.k, own, c.k, c.L,
                               d_y.get<bf16>(), s));
-  EXPECT_EQ(to_float_vec(download<bf16>(d_y, c.rows * c.L)), y);
+  EXPECT_EQ(to_float_vec(download<bf16>(d_y, own * c.L)), y);
   // Independent check of the combine: the weighted sum of the row's chosen experts' outputs, directly.
   double worst = 0;
-  for (int64_t r = 0; r < c.rows; ++r)
+  for (int64_t r = 0; r < own; ++r)
     for (int i = 0; i < c.L; ++i) {
       double want = 0;
       for (int j = 0; j < c.k; ++j) {
-        const int32_t id = idx[r * c.k + j];
+        const int32_t id = idx[(own0 + r) * c.k + j];
         if (id < 0 || id >= E) continue;
-        want += w[r * c.k + j] * round_bf16(z[r * c.L + i] * (1.0f + static_cast<float>(id) / 8));
+        want += w[(own0 + r) * c.k + j] * round_bf16(zfull(own0 + r, i) * (1.0f + static_cast<float>(id) / 8));
       }
       worst = std::max(worst, std::fabs(want - y[r * c.L + i]) / (1e-3 + std::fabs(want)));
     }
   EXPECT_LT(worst, 1e-2) << "combine vs the direct weighted sum";
 }
 
+// {rows, k, L, W, experts per rank, Gs, t, spare}: whole rows (Gs 1) and slices, odd sizes, a member past the
+// rows (own = 0), no rows, and the K3 per-rank shapes of TP8 x DP4 at 64 rows (L 3584 over 8: 448 columns).
 INSTANTIATE_TEST_SUITE_P(Shapes, EpCuda,
-                         ::testing::Values(EpCase{1, 1, 8, 1, 16, 1}, EpCase{5, 4, 40, 2, 8, 20},
-                                           EpCase{13, 4, 64, 8, 2, 64}, EpCase{0, 4, 64, 4, 4, 16},
-                                           EpCase{64, 16, 3584, 8, 112, 1024}, EpCase{33, 3, 24, 3, 5, 100}));
+                         ::testing::Values(EpCase{1, 1, 8, 1, 16, 1, 0, 0}, EpCase{5, 4, 40, 2, 8, 1, 0, 0},
+                                           EpCase{13, 4, 64, 8, 2, 1, 0, 51}, EpCase{0, 4, 64, 4, 4, 1, 0, 16},
+                                           EpCase{64, 16, 3584, 8, 112, 1, 0, 0},
+                                           EpCase{33, 3, 24, 3, 5, 1, 0, 1}, EpCase{7, 3, 24, 4, 5, 2, 1, 0},
+                                           EpCase{13, 5, 30, 6, 3, 3, 2, 2}, EpCase{3, 2, 64, 8, 4, 8, 5, 0},
+                                           EpCase{0, 4, 64, 8, 4, 2, 1, 4}, EpCase{70, 16, 56, 4, 8, 4, 3, 0},
+                                           EpCase{64, 16, 3584, 32, 28, 8, 3, 0}));
 
-TEST(EpCuda, RejectsTooSmallACapacity) {
+TEST(EpCuda, RejectsShardsThatCannotFit) {
   K3_REQUIRE_GPU();
-  EXPECT_NE(0, ops::cuda::ep_pack(nullptr, nullptr, 4, 2, 8, 1, 2, 7, nullptr, nullptr, nullptr,
-                                  gputest::ctx().stream));
-  std::vector<int32_t> idx(8, 0), slot(8), ids(14);
+  ops::EpShard s;
+  s.rows = 4;
+  s.k = 2;
+  s.cs = 4;
+  s.Ls = 8;
+  s.W = 2;
+  s.cap = 7;  // < cs k
+  auto* st = gputest::ctx().stream;
+  EXPECT_NE(0, ops::cuda::ep_pack(nullptr, nullptr, s, nullptr, nullptr, nullptr, nullptr, st));
+  std::vector<int32_t> idx(8, 0), slot(8), send_slot(8), meta(64);
   std::vector<float> z(32), send(14 * 8);
-  EXPECT_THROW(ops::ep_pack(idx.data(), z.data(), 4, 2, 8, 1, 2, 7, slot.data(), ids.data(), send.data()), Error);
+  EXPECT_THROW(ops::ep_pack(idx.data(), z.data(), s, slot.data(), send_slot.data(), meta.data(), send.data()), Error);
+  s.cap = 8;
+  EXPECT_NE(0, ops::cuda::ep_assemble(nullptr, nullptr, s, nullptr, nullptr, nullptr, st));  // Gs 1: nothing to join
+  s.Gs = 2;
+  s.cs = 1;  // 4 rows > Gs cs
+  EXPECT_NE(0, ops::cuda::ep_return(nullptr, nullptr, nullptr, s, nullptr, st));
 }
 
 struct DcpCase {

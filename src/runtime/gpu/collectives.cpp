@@ -80,10 +80,10 @@ void GpuCollectives::vocab_all_gather(float* slices, int64_t m, int64_t Vl, floa
   }
 }
 
-void GpuCollectives::ep_loopback_dispatch(const bf16* z, bf16* exchange, int64_t rows, int64_t pairs, int64_t L) {
+void GpuCollectives::ep_loopback_dispatch(const bf16* z, bf16* exchange, int64_t n_in, int64_t n_out) {
   K3_CHECK(mode_ == Mode::Loopback, "internal: the loopback EP exchange outside loopback mode");
-  CUDA_CHECK(cudaMemcpyAsync(exchange, z, rows * L * 2, cudaMemcpyDeviceToDevice, stream_));
-  replicate_rows(exchange, rows, pairs, L);
+  CUDA_CHECK(cudaMemcpyAsync(exchange, z, std::min(n_in, n_out) * 2, cudaMemcpyDeviceToDevice, stream_));
+  replicate_rows(exchange, std::min(n_in, n_out), n_out, 1);
 }
 
 void GpuCollectives::ep_loopback_combine(const bf16* got, bf16* y, int64_t rows, int64_t L) {

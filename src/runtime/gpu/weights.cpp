@@ -115,7 +115,8 @@ GpuWeights build_gpu_weights(const ModelConfig& c, const ShardSpec& shard, const
       const auto& hm = h.moe;
       m.gate = bf(hm.gate, E * D, "router");
       m.gate_bias = f32(hm.gate_bias, E, "bias");
-      m.down = bf(hm.down, Lt * D, "proj");
+      m.down_rows = Lt / ffn_parts;
+      m.down = bf(hm.down, m.down_rows * D, "proj");
       m.norm = bf(hm.norm, Lt, "norm");
       m.up = bf(hm.up, D * Lt, "out_proj");
       m.shared_rows = S;

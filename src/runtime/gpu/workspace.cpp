@@ -26,6 +26,7 @@ GpuDims::GpuDims(const ModelConfig& c, const GpuRankOptions& o) {
   Hm = c.mla.num_heads / G;
   max_rows = int64_t{o.max_batch} * o.max_q;
   ep_cap = real ? (max_rows + G - 1) / G * c.moe.experts_per_token : 0;
+  ep_slices = o.shard.ffn_tp ? G : 1;
   max_context = o.max_context;
   const int parts = o.shard.ffn_tp ? G : 1;
   shared_rows = c.moe.shared_intermediate() / parts;
@@ -98,10 +99,15 @@ MoeScratch carve_moe(Carve& s, const ModelConfig& c, const GpuDims& d, int64_t r
   m.y = s.take<bf16>(rows * L);
   m.mlp = s.take<bf16>(2 * rows * d.shared_rows);
   if (d.real) {
-    const int64_t slots = int64_t{d.W} * d.ep_cap;
+    const int64_t slots = int64_t{d.W} * d.ep_cap, meta = d.W * (d.ep_slices == 1 ? d.ep_cap : 2 * d.ep_slices * d.ep_cap);
     m.slot = s.take<int32_t>(d.max_rows * k);
-    m.send_ids = s.take<int32_t>(slots);
-    m.recv_ids = s.take<int32_t>(slots);
+    m.send_slot = s.take<int32_t>(d.max_rows * k);
+    m.send_meta = s.take<int32_t>(meta);
+    m.recv_meta = s.take<int32_t>(meta);
+    if (d.ep_slices > 1) {
+      m.ids = s.take<int32_t>(slots);
+      m.codes = s.take<int32_t>(slots);
+    }
     m.send = s.take<bf16>(slots * L);
     m.recv = s.take<bf16>(slots * L);
     m.out = s.take<bf16>(slots * L);

@@ -44,7 +44,8 @@ struct GpuDims {
   int Hk = 0, Hm = 0;        // local KDA / MLA heads
   bool real = false, loopback = false;
   int64_t max_rows = 0;      // max_batch x max_q
-  int64_t ep_cap = 0;        // EP slots per peer (real collectives)
+  int64_t ep_cap = 0;        // EP slots per (row owner, peer) (real collectives; ops/ep.h's cap)
+  int ep_slices = 1;         // Gs: G when the latent down is TP-sharded (ffn_tp), else 1
   int64_t max_context = 0;
   int64_t shared_rows = 0;   // the shared experts' intermediate rows here (S, or S / G when TP-sharded)
   int64_t dense_rows = 0;    // the dense MLP's (I, or I / G)
@@ -96,22 +97,26 @@ struct MlaScratch {
 };
 MlaScratch carve_mla(Carve& s, const ModelConfig& c, const GpuDims& d, int64_t rows);
 
+// rows: the rows routed (the own rows, or with the latent down TP-sharded all m rows of the group).
 struct MoeScratch {
   float* logits;   // [rows, E] router logits
   int32_t* idx;    // [rows, k] chosen experts
   float* wts;      // [rows, k] their weights
-  bf16* z;         // [rows, L] latent down
-  bf16* y;         // [rows, L] routed sum
+  bf16* z;         // [rows, Ll] latent down (Ll = L / Gs)
+  bf16* y;         // [rows, L] routed sum (own rows)
   bf16* mlp;       // [2 rows Sl] shared experts' gate / up
   void* experts;   // moe_experts scratch (local experts; loopback)
   bf16* exchange;  // [2 rows k, L] loopback: sent rows, then received outputs
-  // The EP exchange (real collectives): [W, cap] slots.
-  int32_t* slot;   // [max_rows k]
-  int32_t* send_ids;
-  int32_t* recv_ids;
-  bf16* send;      // [W cap, L] packed rows, then the outputs that come back
-  bf16* recv;
-  bf16* out;
+  // The EP exchange (real collectives, ops/ep.h): W peers, M = cap (Gs = 1) or 2 Gs cap meta per peer.
+  int32_t* slot;       // [max_rows k] own pairs' return slots
+  int32_t* send_slot;  // [max_rows k] routed pairs' send slots
+  int32_t* send_meta;  // [W, M]
+  int32_t* recv_meta;  // [W, M]
+  int32_t* ids;        // [W cap] assembled rows' experts (Gs > 1)
+  int32_t* codes;      // [W cap] their owners' return slots (Gs > 1)
+  bf16* send;          // [W cap L]: packed slices; the assembled rows (Gs > 1); the outputs that come back
+  bf16* recv;          // [W cap L]: received slices; the outputs sorted to their owners (Gs > 1)
+  bf16* out;           // [W cap, L] expert outputs
   void* ep_experts;
 };
 MoeScratch carve_moe(Carve& s, const ModelConfig& c, const GpuDims& d, int64_t rows);
