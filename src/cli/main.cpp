@@ -158,8 +158,8 @@ int main(int argc, char** argv) {
   gen->add_option("--dcp", layout.dcp, "decode context parallel size inside the TP group")->capture_default_str();
   gen->add_option("--step", step, "decode step: auto | stock | hybrid")->capture_default_str();
   gen->add_option("--shared-experts", shared_experts,
-                  "shared experts and dense MLP: replicated | tp (TP-sharded, hybrid step only); "
-                  "default: tp with --step hybrid, else replicated");
+                  "shared experts, dense MLP and the routed latent down: replicated | tp (TP-sharded, hybrid "
+                  "step only); default: tp with --step hybrid, else replicated");
   gen->add_option("--comm", comm,
                   "collectives: local (ranks as threads) | mpi (one process per rank) | nccl (--device gpu, one "
                   "process per GPU)")
@@ -224,8 +224,8 @@ int main(int argc, char** argv) {
   srv->add_option("--ngram", sched_opts.ngram_max, "longest suffix matched by the drafter")->capture_default_str();
   srv->add_option("--step", sstep, "decode step: auto | stock | hybrid")->capture_default_str();
   srv->add_option("--shared-experts", sshared,
-                  "shared experts and dense MLP: replicated | tp (TP-sharded, hybrid step only); default: tp with "
-                  "--step hybrid, else replicated");
+                  "shared experts, dense MLP and the routed latent down: replicated | tp (TP-sharded, hybrid "
+                  "step only); default: tp with --step hybrid, else replicated");
   srv->add_option("--device", sdevice, "cpu | gpu (one GPU; with --tp/--dp every rank on it; CUDA builds)")->capture_default_str();
   srv->add_option("--tp", slayout.tp, "tensor-parallel group size G (ranks as threads of the server)")
       ->capture_default_str();
