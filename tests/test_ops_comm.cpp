@@ -87,8 +87,8 @@ void ep_round_trip(int W, int Gs, int64_t m, uint64_t seed) {
     std::vector<float> recv(slots * L), full(slots * L, 0.0f), out(slots * L, 0.0f);
     std::vector<int32_t> recv_meta(W * M), ids(slots), codes(slots);
     for (int src = 0; src < W; ++src) {
-      std::copy_n(&send[src][d * scap * Ls], scap * Ls, &recv[src * scap * Ls]);
-      std::copy_n(&meta[src][d * M], M, &recv_meta[src * M]);
+      std::copy_n(send[src].data() + d * scap * Ls, scap * Ls, recv.data() + src * scap * Ls);
+      std::copy_n(meta[src].data() + d * M, M, recv_meta.data() + src * M);
     }
     if (Gs > 1) {
       k3::ops::ep_assemble(recv.data(), recv_meta.data(), s, full.data(), ids.data(), codes.data());
@@ -108,12 +108,12 @@ void ep_round_trip(int W, int Gs, int64_t m, uint64_t seed) {
   }
   // Exchange back: owner w's back_recv[d] = back[d][w].
   for (int w = 0; w < W; ++w)
-    for (int d = 0; d < W; ++d) std::copy_n(&back[d][w * cap * L], cap * L, &back_recv[w][d * cap * L]);
+    for (int d = 0; d < W; ++d) std::copy_n(back[d].data() + w * cap * L, cap * L, back_recv[w].data() + d * cap * L);
   for (int w = 0; w < W; ++w) {
     const k3::ops::EpShard s = shard_of(w);
     const int64_t own0 = s.own0(), own = s.own();
     std::vector<float> y(own * L);
-    k3::ops::ep_combine(back_recv[w].data(), slot[w].data(), &wt[w / Gs][own0 * k], own, k, L, y.data());
+    k3::ops::ep_combine(back_recv[w].data(), slot[w].data(), wt[w / Gs].data() + own0 * k, own, k, L, y.data());
     for (int64_t r = 0; r < own; ++r)
       for (int c = 0; c < L; ++c) {
         float want = 0;

@@ -629,7 +629,7 @@ TEST(ParallelMoe, StockAndHybridPathsAreBitwiseTheSingleRankMoe) {
             for (int t = 0; t < G; ++t) {
               const int64_t r0 = std::min(mm, t * cw), real = std::min(mm, r0 + cw) - r0;
               std::vector<float> want_t(static_cast<size_t>(mm * D), 0.0f);
-              std::copy_n(&routed[r0 * D], real * D, &want_t[r0 * D]);
+              std::copy_n(routed.data() + r0 * D, real * D, want_t.data() + r0 * D);
               EXPECT_TRUE(bit_equal(sliced[i][p * G + t], want_t))
                   << "layer " << layers[i] << " replica " << p << " tp rank " << t << ": sliced latent down";
             }

@@ -152,7 +152,7 @@ TEST_P(EpCuda, PackAssembleReturnCombineMatchCpu) {
   if (c.Gs > 1) {
     // assemble: every peer's meta is this rank's (valid ids and codes), the slices random.
     std::vector<int32_t> recv_meta(c.W * M);
-    for (int p = 0; p < c.W; ++p) std::copy_n(&meta[(p % c.W) * M], M, &recv_meta[p * M]);
+    for (int p = 0; p < c.W; ++p) std::copy_n(meta.data() + p * M, M, recv_meta.data() + p * M);
     const auto recv = gputest::random_bf16_values(static_cast<size_t>(slots * c.L), 9 + c.L);
     std::vector<float> joined(slots * c.L, 0.0f);
     std::vector<int32_t> ids(slots, 7), codes(slots, 7);
@@ -189,7 +189,7 @@ TEST_P(EpCuda, PackAssembleReturnCombineMatchCpu) {
       back[sl * c.L + i] = round_bf16(zfull(own0 + q / c.k, i) * (1.0f + static_cast<float>(id) / 8));
   }
   std::vector<float> y(own * c.L);
-  ops::ep_combine(back.data(), slot.data(), &w[own0 * c.k], own, c.k, c.L, y.data());
+  ops::ep_combine(back.data(), slot.data(), w.data() + own0 * c.k, own, c.k, c.L, y.data());
   DeviceBuffer d_back = upload(to_bf16_vec(back)), d_w = upload(w), d_y(own * c.L * 2 + 2);
   K3_CU(ops::cuda::ep_combine(d_back.get<bf16>(), d_slot.get<int32_t>(), d_w.get<float>() + own0 * c.k, own, c.k, c.L,
                               d_y.get<bf16>(), s));
