@@ -165,9 +165,6 @@ TEST_P(EpCuda, PackAssembleReturnCombineMatchCpu) {
     EXPECT_EQ(download<int32_t>(d_ids, slots), ids);
     EXPECT_EQ(download<int32_t>(d_codes, slots), codes);
     EXPECT_EQ(to_float_vec(download<bf16>(d_joined, slots * c.L)), joined);
-    int64_t valid = 0;
-    for (int32_t id : ids) valid += id >= 0;
-    EXPECT_EQ(valid > 0, pairs > 0 && std::any_of(idx.begin(), idx.end(), [&](int32_t v) { return v >= 0 && v < E; }));
     // return: random expert outputs to their owners' rows.
     const auto out = gputest::random_bf16_values(static_cast<size_t>(slots * c.L), 11 + c.L);
     std::vector<float> back(slots * c.L, 0.0f);
