@@ -134,11 +134,12 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
       }
     }
 
-    // Projection groups at 1 row (cu::linear_group): the projections of one input in one launch against
-    // one launch each, as the rank runs them.
-    fmt::print("\nprojection groups at 1 row (per-rank shapes), us per group and % of HBM bandwidth\n");
-    fmt::print("{:>34} {:>9} {:>9} {:>9} {:>7} {:>7}\n", "group (out..) x in", "separate", "grouped", "floor",
-               "sep%", "grp%");
+    // Projection groups (cu::linear_group) at 1-8 rows: the projections of one input in one launch of the
+    // rows kernel (Grouped) against one launch each (Separate: the rows kernel at 1 row, else cuBLASLt), as
+    // the rank runs them; the step's choice is linear_group_rows_max().
+    fmt::print("\nprojection groups at 1-8 rows (per-rank shapes), us per group and % of HBM bandwidth\n");
+    fmt::print("{:>34} {:>4} {:>9} {:>9} {:>9} {:>7} {:>7}\n", "group (out..) x in", "rows", "separate", "grouped",
+               "floor", "sep%", "grp%");
     struct Group {
       const char* name;
       int64_t in;
@@ -149,35 +150,41 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         {"dsa q_a kv_a g_proj wk wts", 7168, {{1536, false}, {576, false}, {1536, false}, {128, false}, {32, true}}},
         {"dsa q_b wq_b", 1536, {{2304, false}, {4096, false}}},
         {"moe router down", 7168, {{896, true}, {3584, false}}},
+        {"moe router down (tp)", 7168, {{896, true}, {448, false}}},
         {"shared gate up (tp)", 7168, {{768, false}, {768, false}}},
         {"dense gate up (tp)", 7168, {{4224, false}, {4224, false}}},
         {"shared gate up", 7168, {{6144, false}, {6144, false}}},
     };
+    const int64_t kGroupRowsMax = 8;
     for (const auto& g : groups) {
       std::vector<DeviceBuffer> ws, ys;
       std::vector<cu::LinearOut> outs;
-      double bytes = double(g.in) * 2;
+      double wbytes = 0, obytes = 0;
       std::string shape;
       for (size_t j = 0; j < g.outs.size(); ++j) {
         const auto [out, f32] = g.outs[j];
         ws.push_back(random_buffer(out * g.in * 2, 0, s, 20 + j));
-        ys.emplace_back(out * 4);
+        ys.emplace_back(kGroupRowsMax * out * 4);
         outs.push_back({ws.back().get<bf16>(), ys.back().get(), out, f32});
-        bytes += double(out) * g.in * 2 + double(out) * (f32 ? 4 : 2);
+        wbytes += double(out) * g.in * 2;
+        obytes += double(out) * (f32 ? 4 : 2);
         shape += fmt::format("{}{}", j ? "+" : "", out);
       }
-      DeviceBuffer x = random_buffer(g.in * 2, 0, s, 3);
-      double t[2];
-      const cu::LinearGroupPath paths[2] = {cu::LinearGroupPath::Separate, cu::LinearGroupPath::Auto};
-      for (int p = 0; p < 2; ++p)
-        t[p] = time_us(s, [&] {
-          K3_OK(cu::linear_group_via(ctx, paths[p], x.get<bf16>(), 1, g.in, outs.data(), static_cast<int>(outs.size())));
-        });
-      const double floor_us = bytes / bw * 1e6;
-      fmt::print("{:>27}x{:<6} {:>9.1f} {:>9.1f} {:>9.1f} {:>6.0f}% {:>6.0f}%   {}\n", shape, g.in, t[0], t[1], floor_us,
-                 100 * floor_us / t[0], 100 * floor_us / t[1], g.name);
-      record("linear_group", fmt::format("{}x{} M1", shape, g.in), t[1], bytes,
-             {{"separate_us", t[0]}, {"M", 1}, {"group", g.name}});
+      DeviceBuffer x = random_buffer(kGroupRowsMax * g.in * 2, 0, s, 3);
+      for (const int64_t M : {1, 2, 4, 8}) {
+        double t[2];
+        const cu::LinearGroupPath paths[2] = {cu::LinearGroupPath::Separate, cu::LinearGroupPath::Grouped};
+        for (int p = 0; p < 2; ++p)
+          t[p] = time_us(s, [&] {
+            K3_OK(cu::linear_group_via(ctx, paths[p], x.get<bf16>(), M, g.in, outs.data(),
+                                       static_cast<int>(outs.size())));
+          });
+        const double bytes = wbytes + double(M) * (g.in * 2 + obytes), floor_us = bytes / bw * 1e6;
+        fmt::print("{:>27}x{:<6} {:>4} {:>9.1f} {:>9.1f} {:>9.1f} {:>6.0f}% {:>6.0f}%   {}\n", shape, g.in, M, t[0],
+                   t[1], floor_us, 100 * floor_us / t[0], 100 * floor_us / t[1], g.name);
+        record("linear_group", fmt::format("{}x{} M{}", shape, g.in, M), t[1], bytes,
+               {{"separate_us", t[0]}, {"M", M}, {"group", g.name}});
+      }
     }
 
   }

@@ -12,8 +12,8 @@
 //
 // linear_group: linear_rows_group_kernel runs the tiles of several projections that share x in one grid
 // (projection j's CTAs after projection j - 1's), each tile the code of linear_rows_kernel, so every
-// output is bitwise the separate kernel's; used where Auto takes linear_rows_kernel, separate linear calls
-// otherwise.
+// output is bitwise the separate kernel's; used where linear_group_takes (linear.h: up to 2 rows, or 4 on
+// groups up to MLA's size), separate linear calls otherwise.
 //
 // 2..64 rows (kLinearSkinnyMinRows..kLinearSkinnyMaxRows, in % 8 == 0, x and w 16-byte aligned) on
 // LinearPath::Kernel, and on Auto when kLinearAutoSkinny: linear_skinny (linear_skinny.cu), tensor cores
@@ -322,6 +322,23 @@ int linear_ld(const Context& ctx, const bf16* x, int64_t x_ld, const bf16* w, vo
   return linear_ld_via(ctx, LinearPath::Auto, x, x_ld, w, y, y_f32, rows, in, out);
 }
 
+int64_t linear_group_rows_max() {
+  static const int64_t max_rows = env_int("K3_LINEAR_GROUP_ROWS_MAX", 1, 8, kLinearGroupMaxRows);
+  return max_rows;
+}
+
+bool linear_group_takes(int64_t rows, const bf16* x, int64_t in, const LinearOut* outs, int n) {
+  // K3_LINEAR_GROUP=0 in the environment: never (A/B runs of the step).
+  static const bool env_off = env_int("K3_LINEAR_GROUP", 0, 1, 1) == 0;
+  if (env_off || rows < 1 || n < 2 || !linear_group_fits(x, in, outs, n)) return false;
+  if (rows <= linear_rows_kernel_max_rows()) return true;
+  if (rows > linear_group_rows_max()) return false;
+  if (rows <= kLinearGroupAnyRows) return true;
+  int64_t weights = 0;
+  for (int j = 0; j < n; ++j) weights += outs[j].out * in;
+  return weights <= kLinearGroupMaxWeights;
+}
+
 bool linear_group_fits(const bf16* x, int64_t in, const LinearOut* outs, int n) {
   if (n < 1 || n > kLinearGroupMax || x == nullptr || in <= 0 || outs == nullptr) return false;
   const bool vec = rows_vec(x, outs[0].w, in);
@@ -337,11 +354,8 @@ int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, in
   for (int j = 0; j < n; ++j)
     if (outs[j].out <= 0) return cudaErrorInvalidValue;
   if (rows == 0 || n == 0) return cudaSuccess;
-  // K3_LINEAR_GROUP=0 in the environment: Auto as Separate (A/B runs of the step).
-  static const bool env_off = env_int("K3_LINEAR_GROUP", 0, 1, 1) == 0;
-  if (path == LinearGroupPath::Auto && env_off) path = LinearGroupPath::Separate;
   const bool grouped = path == LinearGroupPath::Grouped ||
-                       (path == LinearGroupPath::Auto && rows <= linear_rows_kernel_max_rows() && n > 1);
+                       (path == LinearGroupPath::Auto && linear_group_takes(rows, x, in, outs, n));
   if (!grouped || !linear_group_fits(x, in, outs, n)) {
     const LinearPath each = path == LinearGroupPath::Grouped ? LinearPath::Rows : LinearPath::Auto;
     for (int j = 0; j < n; ++j)

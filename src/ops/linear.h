@@ -68,12 +68,10 @@ int linear_ld_via(const Context& ctx, LinearPath path, const bf16* x, int64_t x_
 int linear_add(const Context& ctx, const bf16* x, const bf16* w, bf16* y, int64_t rows, int64_t in, int64_t out);
 int linear_add_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, bf16* y, int64_t rows,
                    int64_t in, int64_t out);
-// Several projections of the same input rows: y_j [rows, out_j] = x W_j^T for j < n (n <= kLinearGroupMax),
-// each as linear(ctx, x, w_j, y_j, y_f32_j, rows, in, out_j) would compute it, bitwise. At the rows
-// linear_rows_kernel takes in Auto (rows <= linear_rows_kernel_max_rows()) one launch does them all
-// (linear_rows_group_kernel: the CTAs of every projection dealt over one grid, so the small ones run in
-// the large one's wave instead of paying their own launch ramp and tail); at other row counts, or when
-// the weights would not all take the same vector width (a w not 16-byte aligned), one linear call each.
+// Several projections of the same input rows: y_j [rows, out_j] = x W_j^T for j < n (n <= kLinearGroupMax).
+// Where linear_group_takes() (below) one launch does them all (linear_rows_group_kernel: the CTAs of every
+// projection dealt over one grid, so the small ones run in the large one's wave instead of paying their own
+// launch ramp and tail), each y_j bitwise linear_via(Rows); otherwise one linear() call each, bitwise.
 // No y may alias x or another y. K3_LINEAR_GROUP=0 in the environment makes Auto separate calls (A/B runs).
 struct LinearOut {
   const bf16* w = nullptr;  // [out, in]
@@ -83,9 +81,18 @@ struct LinearOut {
 };
 constexpr int kLinearGroupMax = 6;
 int linear_group(const Context& ctx, const bf16* x, int64_t rows, int64_t in, const LinearOut* outs, int n);
-// Auto = linear_group; Grouped = linear_rows_kernel per projection at any row count (tests): the grouped
-// kernel (bitwise linear_via(Rows) per projection), or one linear_via(Rows) each where linear_group_fits is
-// false; Separate = one linear() per projection.
+// Auto's choice: one grouped launch for n >= 2 projections that fit it (linear_group_fits) at up to
+// kLinearGroupAnyRows rows, or up to linear_group_rows_max() rows (kLinearGroupMaxRows, or
+// K3_LINEAR_GROUP_ROWS_MAX=1..8 in the environment, read once) when the group's weights hold at most
+// kLinearGroupMaxWeights elements; any row count linear() itself gives to the rows kernel. Where one
+// projection alone would go to cuBLASLt (two kernels each with its split-K), the grouped launch is faster
+// at 2 rows on every per-rank group and at 4 rows on groups up to MLA's (3648 x 7168); from 4 rows on
+// larger groups, and at 8 rows on all, cuBLASLt is (docs/PERF.md, "Projection groups").
+constexpr int64_t kLinearGroupAnyRows = 2;
+constexpr int64_t kLinearGroupMaxRows = 4;
+constexpr int64_t kLinearGroupMaxWeights = int64_t{28} << 20;
+int64_t linear_group_rows_max();
+bool linear_group_takes(int64_t rows, const bf16* x, int64_t in, const LinearOut* outs, int n);
 enum class LinearGroupPath { Auto, Grouped, Separate };
 int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, int64_t rows, int64_t in,
                      const LinearOut* outs, int n);

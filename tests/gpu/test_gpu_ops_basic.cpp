@@ -430,9 +430,9 @@ void expect_linear_cpu(const std::vector<uint8_t>& bytes, const std::vector<floa
   expect_close(have, want, y_f32 ? kF32Rel : kOneRounding, 0.0, what);
 }
 
-// One group: Auto bitwise the separate linear() calls at every row count (one launch where Auto takes
-// linear_rows_kernel); the grouped kernel at any row count bitwise linear_rows_kernel (LinearPath::Rows);
-// every projection against the CPU.
+// One group: Auto bitwise the grouped kernel where linear_group_takes the rows, else the separate linear()
+// calls; the grouped kernel at any row count bitwise linear_rows_kernel (LinearPath::Rows); every
+// projection against the CPU.
 void check_linear_group(const std::vector<GroupProj>& projs, int64_t in, const std::vector<int64_t>& row_counts,
                         uint64_t seed, int x_offset = 0) {
   using ops::cuda::LinearGroupPath;
@@ -456,12 +456,16 @@ void check_linear_group(const std::vector<GroupProj>& projs, int64_t in, const s
     const bf16* xp = dx.get<bf16>() + x_offset;
     const auto autos = group_bytes(LinearGroupPath::Auto, xp, wp, projs, rows, in);
     const auto grouped = group_bytes(LinearGroupPath::Grouped, xp, wp, projs, rows, in);
+    std::vector<ops::cuda::LinearOut> outs;
+    for (size_t j = 0; j < projs.size(); ++j) outs.push_back({wp[j], const_cast<bf16*>(xp), projs[j].out, projs[j].f32});  // y unused: the choice only
+    const bool takes = ops::cuda::linear_group_takes(rows, xp, in, outs.data(), static_cast<int>(outs.size()));
     for (size_t j = 0; j < projs.size(); ++j) {
       const auto& p = projs[j];
       SCOPED_TRACE(testing::Message() << "projection " << j << " out " << p.out << (p.f32 ? " f32" : " bf16")
-                                      << " w offset " << p.w_offset);
-      EXPECT_TRUE(autos[j] == linear_bytes_at(LinearPath::Auto, xp, wp[j], rows, in, p.out, p.f32))
-          << "auto group differs from the separate linear()";
+                                      << " w offset " << p.w_offset << (takes ? " grouped" : " separate"));
+      EXPECT_TRUE(autos[j] == linear_bytes_at(takes ? LinearPath::Rows : LinearPath::Auto, xp, wp[j], rows, in, p.out,
+                                              p.f32))
+          << "auto group differs from the path linear_group_takes names";
       EXPECT_TRUE(grouped[j] == linear_bytes_at(LinearPath::Rows, xp, wp[j], rows, in, p.out, p.f32))
           << "grouped kernel differs from linear_rows_kernel";
       expect_linear_cpu(autos[j], x, w[j], rows, in, p.out, p.f32, "auto group");
@@ -491,10 +495,11 @@ TEST(CudaLinearGroup, MatchesSeparateCallsBitwiseOnK3PerRankShapes) {
   // TP8 rank shapes of the groups the GPU rank runs: MLA q_a, kv_a, g_proj and the DSA indexer's wk and
   // head weights (FP32) of x; q_b and the indexer's wq_b of the q latent; the router (FP32 logits) and the
   // latent down; the shared experts' gate and up (TP-sharded), the dense MLP's.
-  const std::vector<int64_t> rows = {1, 2, 8};
+  const std::vector<int64_t> rows = {1, 2, 4, 8};
   check_linear_group({{1536, false}, {576, false}, {1536, false}, {128, false}, {32, true}}, 7168, rows, 3700);
   check_linear_group({{2304, false}, {4096, false}}, 1536, rows, 3800);
   check_linear_group({{896, true}, {3584, false}}, 7168, rows, 3900);
+  check_linear_group({{896, true}, {448, false}}, 7168, rows, 3950);  // router and latent down, sliced
   check_linear_group({{768, false}, {768, false}}, 7168, rows, 4000);
   check_linear_group({{4224, false}, {4224, false}}, 7168, {1}, 4100);
 }
