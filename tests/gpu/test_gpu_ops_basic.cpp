@@ -457,7 +457,8 @@ void check_linear_group(const std::vector<GroupProj>& projs, int64_t in, const s
     const auto autos = group_bytes(LinearGroupPath::Auto, xp, wp, projs, rows, in);
     const auto grouped = group_bytes(LinearGroupPath::Grouped, xp, wp, projs, rows, in);
     std::vector<ops::cuda::LinearOut> outs;
-    for (size_t j = 0; j < projs.size(); ++j) outs.push_back({wp[j], const_cast<bf16*>(xp), projs[j].out, projs[j].f32});  // y unused: the choice only
+    for (size_t j = 0; j < projs.size(); ++j)  // y unused: only the choice is asked
+      outs.push_back({wp[j], const_cast<bf16*>(xp), projs[j].out, projs[j].f32});
     const bool takes = ops::cuda::linear_group_takes(rows, xp, in, outs.data(), static_cast<int>(outs.size()));
     for (size_t j = 0; j < projs.size(); ++j) {
       const auto& p = projs[j];
