@@ -136,7 +136,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
 
     // Projection groups (cu::linear_group) at 1-8 rows: the projections of one input in one launch of the
     // rows kernel (Grouped) against one launch each (Separate: the rows kernel at 1 row, else cuBLASLt), as
-    // the rank runs them; the step's choice is linear_group_rows_max().
+    // the rank runs them; the step's choice is linear_group_takes().
     fmt::print("\nprojection groups at 1-8 rows (per-rank shapes), us per group and % of HBM bandwidth\n");
     fmt::print("{:>34} {:>4} {:>9} {:>9} {:>9} {:>7} {:>7}\n", "group (out..) x in", "rows", "separate", "grouped",
                "floor", "sep%", "grp%");

@@ -322,10 +322,14 @@ int linear_ld(const Context& ctx, const bf16* x, int64_t x_ld, const bf16* w, vo
   return linear_ld_via(ctx, LinearPath::Auto, x, x_ld, w, y, y_f32, rows, in, out);
 }
 
+namespace {
+
 int64_t linear_group_rows_max() {
   static const int64_t max_rows = env_int("K3_LINEAR_GROUP_ROWS_MAX", 1, 8, kLinearGroupMaxRows);
   return max_rows;
 }
+
+}  // namespace
 
 bool linear_group_takes(int64_t rows, const bf16* x, int64_t in, const LinearOut* outs, int n) {
   // K3_LINEAR_GROUP=0 in the environment: never (A/B runs of the step).

@@ -91,8 +91,10 @@ int linear_group(const Context& ctx, const bf16* x, int64_t rows, int64_t in, co
 constexpr int64_t kLinearGroupAnyRows = 2;
 constexpr int64_t kLinearGroupMaxRows = 4;
 constexpr int64_t kLinearGroupMaxWeights = int64_t{28} << 20;
-int64_t linear_group_rows_max();
 bool linear_group_takes(int64_t rows, const bf16* x, int64_t in, const LinearOut* outs, int n);
+// Auto = linear_group; Grouped = linear_rows_kernel per projection at any row count (tests): the grouped
+// kernel (bitwise linear_via(Rows) per projection), or one linear_via(Rows) each where linear_group_fits is
+// false; Separate = one linear() per projection.
 enum class LinearGroupPath { Auto, Grouped, Separate };
 int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, int64_t rows, int64_t in,
                      const LinearOut* outs, int n);

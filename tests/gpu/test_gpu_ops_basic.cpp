@@ -505,6 +505,36 @@ TEST(CudaLinearGroup, MatchesSeparateCallsBitwiseOnK3PerRankShapes) {
   check_linear_group({{4224, false}, {4224, false}}, 7168, {1}, 4100);
 }
 
+// The rule's cases as measured (docs/PERF.md, "Projection groups at 2-8 rows"), host logic only (no GPU):
+// one launch at 1 and 2 rows on every per-rank group, at 4 rows on MLA's (3648 x 7168) but not on the router
+// and latent down's (4480 x 7168), never at 8; never for one projection.
+TEST(CudaLinearGroup, TakesTheRowsAndGroupsItWasMeasuredToWin) {
+  for (const char* knob : {"K3_LINEAR_GROUP", "K3_LINEAR_GROUP_ROWS_MAX", "K3_LINEAR_ROWS_MAX"})
+    if (std::getenv(knob) != nullptr) GTEST_SKIP() << knob << " is set";
+  alignas(16) static bf16 x[8], w[8], y[8];
+  auto group = [](std::vector<int64_t> outs) {
+    std::vector<ops::cuda::LinearOut> g;
+    for (const int64_t out : outs) g.push_back({w, y, out, false});
+    return g;
+  };
+  const auto mla = group({1536, 576, 1536}), router_down = group({896, 3584}), sliced = group({896, 448}),
+             dense = group({4224, 4224}), one = group({4096});
+  auto takes = [](int64_t rows, const std::vector<ops::cuda::LinearOut>& g, int64_t in = 7168) {
+    return ops::cuda::linear_group_takes(rows, x, in, g.data(), static_cast<int>(g.size()));
+  };
+  for (const auto* g : {&mla, &router_down, &sliced, &dense}) {
+    EXPECT_TRUE(takes(1, *g));
+    EXPECT_TRUE(takes(2, *g));
+    EXPECT_FALSE(takes(8, *g));
+  }
+  EXPECT_TRUE(takes(4, mla));
+  EXPECT_TRUE(takes(4, sliced));
+  EXPECT_FALSE(takes(4, router_down));
+  EXPECT_FALSE(takes(4, dense));
+  EXPECT_FALSE(takes(1, one));
+  EXPECT_FALSE(takes(0, mla));
+}
+
 TEST(CudaLinearGroup, RejectsBadGroups) {
   K3_REQUIRE_GPU();
   DeviceBuffer dx(64 * 2), dw(64 * 8 * 2), dy(8 * 4);
