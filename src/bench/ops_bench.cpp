@@ -108,8 +108,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
   // 1. Projections: hand-written kernel vs cuBLASLt vs the chosen path.
   if (want("linear")) {
     fmt::print("\nprojections (per-rank K3 shapes, out x in), us per call and % of HBM bandwidth\n");
-    fmt::print("{:>12} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}\n", "out x in", "M", "kernel", "rows", "cublasLt",
-               "auto", "floor", "auto%");
+    fmt::print("{:>12} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}\n", "out x in", "M", "kernel", "rows",
+               "rows_tc", "cublasLt", "auto", "floor", "auto%");
     const std::pair<int64_t, int64_t> shapes[] = {{6288, 7168}, {7168, 1536}, {2304, 1536}, {1536, 7168},
                                                   {3584, 7168}, {7168, 3584}, {896, 7168},  {6144, 7168},
                                                   {7168, 6144}, {33792, 7168}, {7168, 33792}};
@@ -118,19 +118,20 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
       DeviceBuffer w = random_buffer(out * in * 2, 0, s, 1), x = random_buffer(64 * in * 2, 0, s, 2),
                    y(64 * out * 4);
       for (int M : Ms) {
-        // kernel = the hand-written path (skinny where it fits), rows = linear_rows_kernel alone.
-        double t[4];
-        const cu::LinearPath paths[4] = {cu::LinearPath::Kernel, cu::LinearPath::Rows, cu::LinearPath::CublasLt,
-                                         cu::LinearPath::Auto};
-        for (int p = 0; p < 4; ++p)
+        // kernel = the hand-written path (skinny where it fits), rows = linear_rows_kernel alone, rows_tc = the
+        // tensor-core row-tile kernel.
+        double t[5];
+        const cu::LinearPath paths[5] = {cu::LinearPath::Kernel, cu::LinearPath::Rows, cu::LinearPath::RowsTc,
+                                         cu::LinearPath::CublasLt, cu::LinearPath::Auto};
+        for (int p = 0; p < 5; ++p)
           t[p] = time_us(s, [&] {
             K3_OK(cu::linear_via(ctx, paths[p], x.get<bf16>(), w.get<bf16>(), y.get(), false, M, in, out));
           });
         const double bytes = double(out) * in * 2 + double(M) * (in + out) * 2;
-        fmt::print("{:>6}x{:<5} {:>4} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>6.0f}%\n", out, in, M, t[0], t[1],
-                   t[2], t[3], bytes / bw * 1e6, 100 * bytes / bw * 1e6 / t[3]);
-        record("linear", fmt::format("{}x{} M{}", out, in, M), t[3], bytes,
-               {{"kernel_us", t[0]}, {"rows_us", t[1]}, {"cublaslt_us", t[2]}, {"M", M}});
+        fmt::print("{:>6}x{:<5} {:>4} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>6.0f}%\n", out, in, M,
+                   t[0], t[1], t[2], t[3], t[4], bytes / bw * 1e6, 100 * bytes / bw * 1e6 / t[4]);
+        record("linear", fmt::format("{}x{} M{}", out, in, M), t[4], bytes,
+               {{"kernel_us", t[0]}, {"rows_us", t[1]}, {"rows_tc_us", t[2]}, {"cublaslt_us", t[3]}, {"M", M}});
       }
     }
 
@@ -138,8 +139,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
     // rows kernel (Grouped) against one launch each (Separate: the rows kernel at 1 row, else cuBLASLt), as
     // the rank runs them; the step's choice is linear_group_takes().
     fmt::print("\nprojection groups at 1-8 rows (per-rank shapes), us per group and % of HBM bandwidth\n");
-    fmt::print("{:>34} {:>4} {:>9} {:>9} {:>9} {:>7} {:>7}\n", "group (out..) x in", "rows", "separate", "grouped",
-               "floor", "sep%", "grp%");
+    fmt::print("{:>34} {:>4} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7}\n", "group (out..) x in", "rows", "separate",
+               "grouped", "tc", "floor", "sep%", "grp%", "tc%");
     struct Group {
       const char* name;
       int64_t in;
@@ -155,7 +156,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         {"dense gate up (tp)", 7168, {{4224, false}, {4224, false}}},
         {"shared gate up", 7168, {{6144, false}, {6144, false}}},
     };
-    const int64_t kGroupRowsMax = 8;
+    const int64_t kGroupRowsMax = 16;
     for (const auto& g : groups) {
       std::vector<DeviceBuffer> ws, ys;
       std::vector<cu::LinearOut> outs;
@@ -171,19 +172,21 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         shape += fmt::format("{}{}", j ? "+" : "", out);
       }
       DeviceBuffer x = random_buffer(kGroupRowsMax * g.in * 2, 0, s, 3);
-      for (const int64_t M : {1, 2, 4, 8}) {
-        double t[2];
-        const cu::LinearGroupPath paths[2] = {cu::LinearGroupPath::Separate, cu::LinearGroupPath::Grouped};
-        for (int p = 0; p < 2; ++p)
+      for (const int64_t M : {1, 2, 4, 8, 16}) {
+        double t[3];
+        const cu::LinearGroupPath paths[3] = {cu::LinearGroupPath::Separate, cu::LinearGroupPath::Grouped,
+                                              cu::LinearGroupPath::GroupedTc};
+        for (int p = 0; p < 3; ++p)
           t[p] = time_us(s, [&] {
             K3_OK(cu::linear_group_via(ctx, paths[p], x.get<bf16>(), M, g.in, outs.data(),
                                        static_cast<int>(outs.size())));
           });
         const double bytes = wbytes + double(M) * (g.in * 2 + obytes), floor_us = bytes / bw * 1e6;
-        fmt::print("{:>27}x{:<6} {:>4} {:>9.1f} {:>9.1f} {:>9.1f} {:>6.0f}% {:>6.0f}%   {}\n", shape, g.in, M, t[0],
-                   t[1], floor_us, 100 * floor_us / t[0], 100 * floor_us / t[1], g.name);
+        fmt::print("{:>27}x{:<6} {:>4} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>6.0f}% {:>6.0f}% {:>6.0f}%   {}\n", shape,
+                   g.in, M, t[0], t[1], t[2], floor_us, 100 * floor_us / t[0], 100 * floor_us / t[1],
+                   100 * floor_us / t[2], g.name);
         record("linear_group", fmt::format("{}x{} M{}", shape, g.in, M), t[1], bytes,
-               {{"separate_us", t[0]}, {"M", M}, {"group", g.name}});
+               {{"separate_us", t[0]}, {"tc_us", t[2]}, {"M", M}, {"group", g.name}});
       }
     }
 

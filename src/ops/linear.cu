@@ -282,6 +282,12 @@ int linear_path(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld
   const bool skinny = !add && !rows_kernel &&
                       (path == LinearPath::Kernel || (path == LinearPath::Auto && kLinearAutoSkinny)) && x_ld == in &&
                       linear_skinny_fits(rows, in, x, w);
+  const LinearOut one{w, y, out, y_f32};
+  if (path == LinearPath::RowsTc ||
+      (path == LinearPath::Auto && !rows_kernel && linear_rows_tc_takes(rows, x, x_ld, in, &one, 1))) {
+    const int e = linear_rows_tc(ctx, x, x_ld, rows, in, &one, 1, add);
+    if (e != cudaErrorNotSupported) return e;  // not supported: in or x_ld % 8 != 0 or unaligned, nothing enqueued
+  }
   const bool lt = path == LinearPath::CublasLt || (path == LinearPath::Auto && !rows_kernel && !skinny);
   if (lt && linear_cublaslt(ctx, x, x_ld, w, y, y_f32, add, rows, in, out)) return cudaGetLastError();
   if (skinny) {
@@ -358,6 +364,11 @@ int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, in
   for (int j = 0; j < n; ++j)
     if (outs[j].out <= 0) return cudaErrorInvalidValue;
   if (rows == 0 || n == 0) return cudaSuccess;
+  if (path == LinearGroupPath::GroupedTc ||
+      (path == LinearGroupPath::Auto && linear_rows_tc_takes(rows, x, in, in, outs, n))) {
+    const int e = linear_rows_tc(ctx, x, in, rows, in, outs, n);
+    if (e != cudaErrorNotSupported) return e;
+  }
   const bool grouped = path == LinearGroupPath::Grouped ||
                        (path == LinearGroupPath::Auto && linear_group_takes(rows, x, in, outs, n));
   if (!grouped || !linear_group_fits(x, in, outs, n)) {

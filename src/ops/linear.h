@@ -55,7 +55,7 @@ int linear_ld(const Context& ctx, const bf16* x, int64_t x_ld, const bf16* w, vo
 // the rows and shapes it takes, else linear_rows_kernel at any row count); Rows = linear_rows_kernel at
 // any row count; CublasLt = cuBLASLt (the hand-written kernels if cuBLASLt has no algorithm); Auto =
 // linear().
-enum class LinearPath { Auto, Kernel, Rows, CublasLt };
+enum class LinearPath { Auto, Kernel, Rows, CublasLt, RowsTc };
 int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
                int64_t in, int64_t out);
 int linear_ld_via(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld, const bf16* w, void* y,
@@ -95,7 +95,7 @@ bool linear_group_takes(int64_t rows, const bf16* x, int64_t in, const LinearOut
 // Auto = linear_group; Grouped = linear_rows_kernel per projection at any row count (tests): the grouped
 // kernel (bitwise linear_via(Rows) per projection), or one linear_via(Rows) each where linear_group_fits is
 // false; Separate = one linear() per projection.
-enum class LinearGroupPath { Auto, Grouped, Separate };
+enum class LinearGroupPath { Auto, Grouped, Separate, GroupedTc };
 int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, int64_t rows, int64_t in,
                      const LinearOut* outs, int n);
 // Whether one grouped launch can take the projections (1 <= n <= kLinearGroupMax, pointers given, the same
@@ -118,5 +118,20 @@ bool linear_batched_cublaslt(const Context& ctx, const bf16* x, int64_t ldx, int
 bool linear_skinny_fits(int64_t rows, int64_t in, const bf16* x, const bf16* w);
 int linear_skinny(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
                   int64_t out);
+
+// The tensor-core row-tile kernel (src/ops/linear_rows_tc.cu): y_j = x W_j^T (+ y_j when add, BF16 y only)
+// for j < n in one launch, 16 features x 8-32 rows per CTA on mma.sync, W streamed once per 32 rows; x's rows
+// x_ld elements apart. It takes in % 8 == 0, x_ld % 8 == 0 and 16-byte aligned x and w_j
+// (linear_rows_tc_fits); otherwise it enqueues nothing and returns cudaErrorNotSupported. Same bits on every
+// run for a shape, and per projection the same bits alone or in a group; not the rows kernel's or cuBLASLt's.
+bool linear_rows_tc_fits(const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n);
+int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows, int64_t in, const LinearOut* outs,
+                   int n, bool add = false);
+// Auto (linear, linear_ld, linear_add, linear_group) takes it where linear_rows_tc_takes: more rows than the
+// rows kernel takes, at most linear_rows_tc_max_rows() (kLinearRowsTcMaxRows, or K3_LINEAR_TC_ROWS_MAX=0..64
+// in the environment, read once; 0: never), and it fits. Off until measured against the paths it would replace.
+constexpr int64_t kLinearRowsTcMaxRows = 0;
+int64_t linear_rows_tc_max_rows();
+bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n);
 
 }  // namespace k3::ops::cuda

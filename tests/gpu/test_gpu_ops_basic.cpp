@@ -142,7 +142,7 @@ TEST(CudaLinear, StridedRowsMatchTheCompactedRows) {
       DeviceBuffer dxs = upload_bf16(xs), dxc = upload_bf16(xc);
       const size_t bytes = static_cast<size_t>(rows * c.out) * 2;
       for (auto path : {ops::cuda::LinearPath::Auto, ops::cuda::LinearPath::Kernel, ops::cuda::LinearPath::Rows,
-                        ops::cuda::LinearPath::CublasLt}) {
+                        ops::cuda::LinearPath::CublasLt, ops::cuda::LinearPath::RowsTc}) {
         DeviceBuffer dy(bytes);
         ASSERT_EQ(ops::cuda::linear_ld_via(ctx(), path, dxs.get<bf16>(), c.x_ld, dw.get<bf16>(), dy.get(), false,
                                            rows, c.in, c.out),
@@ -200,7 +200,8 @@ TEST(CudaLinear, AddMatchesCpuOnEveryPath) {
       std::vector<float> want = y0;
       ops::linear_add(x.data(), wb.data(), want.data(), rows, c.in, c.out);
       DeviceBuffer dx = upload_bf16(x);
-      for (LinearPath path : {LinearPath::Auto, LinearPath::Kernel, LinearPath::Rows, LinearPath::CublasLt}) {
+      for (LinearPath path : {LinearPath::Auto, LinearPath::Kernel, LinearPath::Rows, LinearPath::CublasLt,
+                              LinearPath::RowsTc}) {
         SCOPED_TRACE(testing::Message() << "linear_add rows " << rows << " in " << c.in << " out " << c.out
                                         << " path " << static_cast<int>(path));
         DeviceBuffer dy = upload_bf16(y0);
@@ -460,12 +461,15 @@ void check_linear_group(const std::vector<GroupProj>& projs, int64_t in, const s
     for (size_t j = 0; j < projs.size(); ++j)  // y unused: only the choice is asked
       outs.push_back({wp[j], const_cast<bf16*>(xp), projs[j].out, projs[j].f32});
     const bool takes = ops::cuda::linear_group_takes(rows, xp, in, outs.data(), static_cast<int>(outs.size()));
+    const bool takes_tc =
+        ops::cuda::linear_rows_tc_takes(rows, xp, in, in, outs.data(), static_cast<int>(outs.size()));
     for (size_t j = 0; j < projs.size(); ++j) {
       const auto& p = projs[j];
       SCOPED_TRACE(testing::Message() << "projection " << j << " out " << p.out << (p.f32 ? " f32" : " bf16")
-                                      << " w offset " << p.w_offset << (takes ? " grouped" : " separate"));
-      EXPECT_TRUE(autos[j] == linear_bytes_at(takes ? LinearPath::Rows : LinearPath::Auto, xp, wp[j], rows, in, p.out,
-                                              p.f32))
+                                      << " w offset " << p.w_offset
+                                      << (takes_tc ? " tc" : takes ? " grouped" : " separate"));
+      const LinearPath named = takes_tc ? LinearPath::RowsTc : takes ? LinearPath::Rows : LinearPath::Auto;
+      EXPECT_TRUE(autos[j] == linear_bytes_at(named, xp, wp[j], rows, in, p.out, p.f32))
           << "auto group differs from the path linear_group_takes names";
       EXPECT_TRUE(grouped[j] == linear_bytes_at(LinearPath::Rows, xp, wp[j], rows, in, p.out, p.f32))
           << "grouped kernel differs from linear_rows_kernel";
@@ -505,11 +509,77 @@ TEST(CudaLinearGroup, MatchesSeparateCallsBitwiseOnK3PerRankShapes) {
   check_linear_group({{4224, false}, {4224, false}}, 7168, {1}, 4100);
 }
 
+// The tensor-core row-tile kernel (linear_rows_tc) against the float64 loop, one projection and groups: k not a
+// multiple of its 32-value chunk, features not a multiple of its 16, rows not of its 8 (and past one tile),
+// FP32 and BF16 outputs, the per-rank K3 groups; the same bits on a second run.
+void check_linear_rows_tc(const std::vector<GroupProj>& projs, int64_t in, const std::vector<int64_t>& row_counts,
+                          uint64_t seed) {
+  std::vector<std::vector<float>> w;
+  std::vector<DeviceBuffer> dw;
+  std::vector<const bf16*> wp;
+  for (const auto& p : projs) {
+    w.push_back(random_bf16_values(static_cast<size_t>(p.out * in), seed++, 1.0 / std::sqrt(double(in))));
+    dw.push_back(upload_bf16(w.back()));
+    wp.push_back(dw.back().get<bf16>());
+  }
+  for (const int64_t rows : row_counts) {
+    SCOPED_TRACE(testing::Message() << "group of " << projs.size() << " in " << in << " rows " << rows);
+    const auto x = random_bf16_values(static_cast<size_t>(rows * in), seed++);
+    DeviceBuffer dx = upload_bf16(x);
+    std::vector<ops::cuda::LinearOut> outs;
+    for (size_t j = 0; j < projs.size(); ++j) outs.push_back({wp[j], dx.get(), projs[j].out, projs[j].f32});
+    ASSERT_TRUE(ops::cuda::linear_rows_tc_fits(dx.get<bf16>(), in, in, outs.data(), static_cast<int>(outs.size())));
+    const auto got = group_bytes(ops::cuda::LinearGroupPath::GroupedTc, dx.get<bf16>(), wp, projs, rows, in);
+    const auto again = group_bytes(ops::cuda::LinearGroupPath::GroupedTc, dx.get<bf16>(), wp, projs, rows, in);
+    for (size_t j = 0; j < projs.size(); ++j) {
+      SCOPED_TRACE(testing::Message() << "projection " << j << " out " << projs[j].out);
+      expect_linear_f64(got[j], projs[j].f32, linear_f64(x, w[j], rows, in, projs[j].out), projs[j].out,
+                        "rows tc kernel");
+      EXPECT_TRUE(got[j] == again[j]) << "two runs differ";
+    }
+  }
+}
+
+TEST(CudaLinearRowsTc, MatchesFloat64OnOddShapes) {
+  K3_REQUIRE_GPU();
+  const std::vector<int64_t> rows = {1, 2, 3, 5, 8, 9, 17, 31, 70};
+  check_linear_rows_tc({{7, false}, {33, true}, {1, false}, {250, false}}, 40, rows, 5000);
+  check_linear_rows_tc({{17, true}, {130, false}}, 136, rows, 5100);
+  check_linear_rows_tc({{100, false}}, 1000, rows, 5200);
+  check_linear_rows_tc({{8, false}, {13, true}, {2, false}, {31, false}, {4, true}, {17, false}}, 264, rows, 5300);
+}
+
+TEST(CudaLinearRowsTc, MatchesFloat64OnK3PerRankShapes) {
+  K3_REQUIRE_GPU();
+  const std::vector<int64_t> rows = {2, 8, 32};
+  check_linear_rows_tc({{1536, false}, {576, false}, {1536, false}, {128, false}, {32, true}}, 7168, rows, 5400);
+  check_linear_rows_tc({{2304, false}, {4096, false}}, 1536, rows, 5500);
+  check_linear_rows_tc({{896, true}, {448, false}}, 7168, rows, 5600);
+  check_linear_rows_tc({{768, false}, {768, false}}, 7168, rows, 5700);
+  check_linear_rows_tc({{7168, false}}, 3584, {8}, 5800);
+}
+
+TEST(CudaLinearRowsTc, TakesOnlyWhatItFits) {
+  K3_REQUIRE_GPU();
+  DeviceBuffer dx(4 * 64 * 2 + 16), dw(64 * 16 * 2 + 16), dy(4 * 16 * 4);
+  fill_nan_bf16(dy, 4 * 16);
+  const bf16* x = dx.get<bf16>();
+  ops::cuda::LinearOut o{dw.get<bf16>(), dy.get(), 16, false};
+  // k not a multiple of 8, x one element off its 16-byte alignment: nothing enqueued.
+  EXPECT_EQ(ops::cuda::linear_rows_tc(ctx(), x, 60, 4, 60, &o, 1), cudaErrorNotSupported);
+  EXPECT_EQ(ops::cuda::linear_rows_tc(ctx(), x + 1, 64, 4, 64, &o, 1), cudaErrorNotSupported);
+  CUDA_CHECK(cudaStreamSynchronize(stream()));
+  for (const float v : down_bf16(dy, 4 * 16)) EXPECT_TRUE(std::isnan(v)) << "written though not supported";
+  EXPECT_EQ(ops::cuda::linear_rows_tc(ctx(), x, 64, -1, 64, &o, 1), cudaErrorInvalidValue);
+  EXPECT_EQ(ops::cuda::linear_rows_tc(ctx(), x, 64, 4, 64, &o, ops::cuda::kLinearGroupMax + 1), cudaErrorInvalidValue);
+}
+
 // The rule's cases as measured (docs/PERF.md, "Projection groups at 2-8 rows"), host logic only (no GPU):
 // one launch at 1 and 2 rows on every per-rank group, at 4 rows on MLA's (3648 x 7168) but not on the router
 // and latent down's (4480 x 7168), never at 8; never for one projection.
 TEST(CudaLinearGroup, TakesTheRowsAndGroupsItWasMeasuredToWin) {
-  for (const char* knob : {"K3_LINEAR_GROUP", "K3_LINEAR_GROUP_ROWS_MAX", "K3_LINEAR_ROWS_MAX"})
+  for (const char* knob :
+       {"K3_LINEAR_GROUP", "K3_LINEAR_GROUP_ROWS_MAX", "K3_LINEAR_ROWS_MAX", "K3_LINEAR_TC_ROWS_MAX"})
     if (std::getenv(knob) != nullptr) GTEST_SKIP() << knob << " is set";
   alignas(16) static bf16 x[8], w[8], y[8];
   auto group = [](std::vector<int64_t> outs) {
@@ -533,6 +603,19 @@ TEST(CudaLinearGroup, TakesTheRowsAndGroupsItWasMeasuredToWin) {
   EXPECT_FALSE(takes(4, dense));
   EXPECT_FALSE(takes(1, one));
   EXPECT_FALSE(takes(0, mla));
+  // The tensor-core row-tile kernel: from 2 rows (1 row is the rows kernel's) to kLinearRowsTcMaxRows, on every
+  // group and on one projection; not where it does not fit (x off its 16-byte alignment, k not a multiple of 8).
+  auto tc = [](int64_t rows, const std::vector<ops::cuda::LinearOut>& g, int xoff = 0, int64_t in = 7168) {
+    const bf16* xp = x + xoff;
+    return ops::cuda::linear_rows_tc_takes(rows, xp, in, in, g.data(), static_cast<int>(g.size()));
+  };
+  for (const auto* g : {&mla, &router_down, &sliced, &dense, &one}) {
+    EXPECT_FALSE(tc(1, *g));
+    for (int64_t rows = 2; rows <= ops::cuda::kLinearRowsTcMaxRows; ++rows) EXPECT_TRUE(tc(rows, *g)) << rows;
+    EXPECT_FALSE(tc(ops::cuda::kLinearRowsTcMaxRows + 1, *g));
+    EXPECT_FALSE(tc(4, *g, 1));
+    EXPECT_FALSE(tc(4, *g, 0, 7164));
+  }
 }
 
 TEST(CudaLinearGroup, RejectsBadGroups) {

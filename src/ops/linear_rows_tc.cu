@@ -1,0 +1,188 @@
+// The tensor-core row-tile path of linear (a few rows, one or several projections of the same x):
+// y_j[r, o] = sum_i x[r, i] W_j[o, i] for j < n; x [rows, in] BF16, W_j [out_j, in] BF16, y_j [rows, out_j]
+// BF16 (rounded once from the FP32 sum) or FP32; FP32 accumulation (mma.sync m16n8k16).
+//
+// A CTA of kTcWarps warps owns 16 output features of one projection (the mma's A operand, W rows o0 ..
+// o0 + 15) and a tile of 8 NT rows of x (NT = 1, 2 or 4 by the row count: NT n8 B operands sharing each A
+// fragment; rows past `rows` are zeros, nothing read). Its
+// warps split the input dimension in chunks of 32 values, chunk c on warp c % kTcWarps. In a chunk, lane
+// (g = lane / 4, t = lane % 4) loads 16 bytes of W row o0 + g, of W row o0 + g + 8 and of x rows r0 + 8 n + g, all
+// at k = 32 c + 8 t .. + 7, straight into fragment registers: the mma sums over k in any order as long as
+// A and B use the same one, so the lane's 8 contiguous values serve as its k slots {2t, 2t+1, 2t+8, 2t+9}
+// of two k16 steps (values 0-3 in the first, 4-7 in the second) for both operands. No shared-memory
+// staging and no conversions: per 16 bytes of W a lane issues one load and one mma, where the CUDA-core
+// rows kernel (linear.cu) converts and multiplies every value once per row, which at 8 rows bounds it by
+// instruction issue; and x is read once per 16 features (the rows kernel: once per 4). More than 8 NT
+// rows: row tiles, each reading W again (from L2 when its neighbours in the grid just did).
+//
+// W streams through L1 without allocating (ld.global.nc.L1::no_allocate), so x (small, read by every CTA)
+// stays in L1. The warps' FP32 partials meet in shared memory and are summed in warp order, one fixed
+// order per output: the same bits on every run for a shape. The row tile is the fastest grid index (the
+// CTAs that read the same W rows run together); projection j's CTAs follow projection j - 1's in one grid.
+#include <algorithm>
+
+#include "core/env.h"
+#include "ops/cuda_bf16.cuh"
+#include "ops/cuda_device.cuh"
+#include "ops/cuda_mma.cuh"
+#include "ops/linear.h"
+
+namespace k3::ops::cuda {
+namespace {
+
+using detail::aligned16;
+using detail::kWarp;
+using detail::mma_bf16_16816;
+
+constexpr int kTcWarps = 8;
+constexpr int kTcThreads = kTcWarps * kWarp;
+constexpr int kTcFeat = 16;   // output features per CTA (the mma's m16)
+constexpr int kTcN = 8;       // rows of x per mma (its n8); a CTA has NT of them
+constexpr int kTcChunk = 32;  // k values per warp step: 8 per lane, two k16 mma steps
+constexpr int kTcUnroll = 4;  // chunks a warp has in flight
+
+struct TcGroup {
+  const bf16* w[kLinearGroupMax];
+  void* y[kLinearGroupMax];
+  int64_t out[kLinearGroupMax];
+  int64_t begin[kLinearGroupMax + 1];  // projection j owns blocks [begin[j], begin[j + 1])
+  bool y_f32[kLinearGroupMax];
+  int n;
+};
+
+// 16 bytes of a stream read once (the weights): read-only, not kept in L1.
+__device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+template <int NT>
+__global__ void __launch_bounds__(kTcThreads)
+    linear_rows_tc_kernel(const bf16* __restrict__ x, int64_t x_ld, const __grid_constant__ TcGroup g, int64_t rows,
+                          int64_t in, int64_t row_tiles, bool add) {
+  const int64_t b = blockIdx.x;
+  int j = 0;
+#pragma unroll
+  for (int k = 1; k < kLinearGroupMax; ++k)
+    if (k < g.n && b >= g.begin[k]) j = k;
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
+  __shared__ float red[kTcWarps][NT][4][kWarp];
+
+  const int64_t blk = b - g.begin[j], out = g.out[j];
+  const int64_t r0 = (blk % row_tiles) * kTcN * NT, o0 = (blk / row_tiles) * kTcFeat;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, gq = lane / 4, t = lane % 4;
+  // Features past `out` read the last valid row (their sums are not written).
+  const bf16* wa = g.w[j] + min(o0 + gq, out - 1) * in + 8 * t;
+  const bf16* wb = g.w[j] + min(o0 + gq + 8, out - 1) * in + 8 * t;
+  bool has_row[NT];
+  const bf16* xr[NT];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    has_row[n] = r0 + kTcN * n + gq < rows;
+    xr[n] = x + (has_row[n] ? r0 + kTcN * n + gq : 0) * x_ld + 8 * t;
+  }
+
+  float c[NT][4] = {};
+  const int64_t kmax = in - 8 * t;  // the lane's piece of chunk ch is valid when 32 ch < kmax (in % 8 == 0)
+  for (int64_t c0 = warp; c0 * kTcChunk < in; c0 += kTcWarps * kTcUnroll) {
+    uint4 a[kTcUnroll], a8[kTcUnroll], bx[kTcUnroll][NT];
+#pragma unroll
+    for (int u = 0; u < kTcUnroll; ++u) {
+      const int64_t k = (c0 + u * kTcWarps) * kTcChunk;
+      const bool valid = k < kmax;
+      a[u] = valid ? ld_stream16(wa + k) : make_uint4(0, 0, 0, 0);
+      a8[u] = valid ? ld_stream16(wb + k) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+        bx[u][n] = valid && has_row[n] ? __ldg(reinterpret_cast<const uint4*>(xr[n] + k)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kTcUnroll; ++u) {
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        mma_bf16_16816(c[n], a[u].x, a8[u].x, a[u].y, a8[u].y, bx[u][n].x, bx[u][n].y);
+        mma_bf16_16816(c[n], a[u].z, a8[u].z, a[u].w, a8[u].w, bx[u][n].z, bx[u][n].w);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][n][i][lane] = c[n][i];
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < NT * 4 * kWarp; e += kTcThreads) {
+    // Accumulator i of lane l in n-tile n: feature l / 4 (+ 8 for i >= 2), row 8 n + 2 (l % 4) + (i & 1).
+    const int n = e / (4 * kWarp), i = e / kWarp % 4, l = e % kWarp;
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kTcWarps; ++w) s += red[w][n][i][l];
+    const int64_t o = o0 + l / 4 + (i >= 2 ? 8 : 0), r = r0 + kTcN * n + 2 * (l % 4) + (i & 1);
+    if (o < out && r < rows) {
+      if (g.y_f32[j]) {
+        static_cast<float*>(g.y[j])[r * out + o] = s;
+      } else {
+        bf16* y = static_cast<bf16*>(g.y[j]) + r * out + o;
+        if (add) s += detail::bf16_to_float(*y);  // linear_add: the sum and y, rounded once
+        *y = detail::float_to_bf16(s);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int64_t linear_rows_tc_max_rows() {
+  static const int64_t max_rows = env_int("K3_LINEAR_TC_ROWS_MAX", 0, kLinearSkinnyMaxRows, kLinearRowsTcMaxRows);
+  return max_rows;
+}
+
+bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n) {
+  return rows > linear_rows_kernel_max_rows() && rows <= linear_rows_tc_max_rows() &&
+         linear_rows_tc_fits(x, x_ld, in, outs, n);
+}
+
+bool linear_rows_tc_fits(const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n) {
+  if (n < 1 || n > kLinearGroupMax || x == nullptr || in <= 0 || in % 8 != 0 || x_ld < in || x_ld % 8 != 0 ||
+      !aligned16(x) || outs == nullptr)
+    return false;
+  for (int j = 0; j < n; ++j)
+    if (outs[j].w == nullptr || outs[j].y == nullptr || outs[j].out <= 0 || !aligned16(outs[j].w)) return false;
+  return true;
+}
+
+int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows, int64_t in, const LinearOut* outs,
+                   int n, bool add) {
+  if (rows < 0 || in <= 0 || n < 0 || n > kLinearGroupMax || (n > 0 && outs == nullptr)) return cudaErrorInvalidValue;
+  for (int j = 0; j < n; ++j)
+    if (add && outs[j].y_f32) return cudaErrorInvalidValue;  // the add is into BF16 y
+  if (rows == 0 || n == 0) return cudaSuccess;
+  if (!linear_rows_tc_fits(x, x_ld, in, outs, n)) return cudaErrorNotSupported;
+  // NT n8 tiles per CTA: the fewest that cover the rows, at most 4.
+  const int nt = rows <= kTcN ? 1 : rows <= 2 * kTcN ? 2 : 4;
+  TcGroup g{};
+  g.n = n;
+  const int64_t row_tiles = (rows + kTcN * nt - 1) / (kTcN * nt);
+  for (int j = 0; j < n; ++j) {
+    g.w[j] = outs[j].w;
+    g.y[j] = outs[j].y;
+    g.out[j] = outs[j].out;
+    g.y_f32[j] = outs[j].y_f32;
+    g.begin[j + 1] = g.begin[j] + row_tiles * ((outs[j].out + kTcFeat - 1) / kTcFeat);
+  }
+  for (int j = n + 1; j <= kLinearGroupMax; ++j) g.begin[j] = g.begin[n];
+  if (g.begin[n] > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  const auto blocks = static_cast<unsigned>(g.begin[n]);
+  auto s = reinterpret_cast<cudaStream_t>(ctx.stream);
+  auto go = [&](auto kernel) {
+    return detail::launch(kernel, blocks, kTcThreads, 0, s, x, x_ld, g, rows, in, row_tiles, add);
+  };
+  return nt == 1 ? go(linear_rows_tc_kernel<1>) : nt == 2 ? go(linear_rows_tc_kernel<2>) : go(linear_rows_tc_kernel<4>);
+}
+
+}  // namespace k3::ops::cuda
