@@ -47,6 +47,7 @@ namespace {
 using detail::aligned16;
 using detail::kWarp;
 
+using rows_detail::GroupArgs;
 using rows_detail::kLinOut;
 using rows_detail::kLinThreads;
 using rows_detail::rows_vec;
@@ -97,27 +98,12 @@ __global__ void __launch_bounds__(kLinThreads)
   rows_tile<RT, VEC>(x, w, y, y_f32, add, rows, in, x_ld, out, row_tiles, blockIdx.x, red);
 }
 
-// The projections of one grouped launch: projection j owns blocks [begin[j], begin[j + 1]) of the grid.
-struct RowsGroup {
-  const bf16* w[kLinearGroupMax];
-  void* y[kLinearGroupMax];
-  int64_t out[kLinearGroupMax];
-  int64_t begin[kLinearGroupMax + 1];
-  bool y_f32[kLinearGroupMax];
-  int n;
-};
-
-// linear_rows_kernel over several weights that share x: the CTAs of every projection in one grid, in
-// the group's order, each running the separate kernel's tile.
 template <int RT, int VEC>
 __global__ void __launch_bounds__(kLinThreads)
-    linear_rows_group_kernel(const bf16* __restrict__ x, const __grid_constant__ RowsGroup g, int64_t rows,
+    linear_rows_group_kernel(const bf16* __restrict__ x, const __grid_constant__ GroupArgs g, int64_t rows,
                              int64_t in, int64_t row_tiles) {
   const int64_t b = blockIdx.x;
-  int j = 0;
-#pragma unroll
-  for (int k = 1; k < kLinearGroupMax; ++k)
-    if (k < g.n && b >= g.begin[k]) j = k;
+  const int j = rows_detail::group_member(g, b);
   detail::pdl_wait();
   detail::pdl_launch_dependents();
   __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
@@ -154,19 +140,17 @@ int linear_kernel(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f3
 }
 
 template <int RT, int VEC>
-int launch_rows_group(const bf16* x, RowsGroup g, int64_t rows, int64_t in, cudaStream_t s) {
+int launch_rows_group(const bf16* x, GroupArgs g, int64_t rows, int64_t in, cudaStream_t s) {
   const int64_t row_tiles = (rows + RT - 1) / RT;
-  g.begin[0] = 0;
-  for (int j = 0; j < g.n; ++j) g.begin[j + 1] = g.begin[j] + row_tiles * ((g.out[j] + kLinOut - 1) / kLinOut);
-  for (int j = g.n + 1; j <= kLinearGroupMax; ++j) g.begin[j] = g.begin[g.n];
+  if (!rows_detail::set_begin(g, [&](int64_t out) { return row_tiles * ((out + kLinOut - 1) / kLinOut); }))
+    return cudaErrorInvalidConfiguration;
   const int64_t blocks = g.begin[g.n];
-  if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   return detail::launch(linear_rows_group_kernel<RT, VEC>, static_cast<unsigned>(blocks), kLinThreads, 0, s, x, g, rows,
                         in, row_tiles);
 }
 
 template <int VEC>
-int dispatch_rows_group(const bf16* x, const RowsGroup& g, int64_t rows, int64_t in, cudaStream_t s) {
+int dispatch_rows_group(const bf16* x, const GroupArgs& g, int64_t rows, int64_t in, cudaStream_t s) {
   if (rows <= 1) return launch_rows_group<1, VEC>(x, g, rows, in, s);
   if (rows <= 2) return launch_rows_group<2, VEC>(x, g, rows, in, s);
   if (rows <= 4) return launch_rows_group<4, VEC>(x, g, rows, in, s);
@@ -378,14 +362,7 @@ int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, in
         return e;
     return cudaSuccess;
   }
-  RowsGroup g{};
-  g.n = n;
-  for (int j = 0; j < n; ++j) {
-    g.w[j] = outs[j].w;
-    g.y[j] = outs[j].y;
-    g.out[j] = outs[j].out;
-    g.y_f32[j] = outs[j].y_f32;
-  }
+  const GroupArgs g = rows_detail::group_args(outs, n);
   auto s = reinterpret_cast<cudaStream_t>(ctx.stream);
   return rows_vec(x, outs[0].w, in) ? dispatch_rows_group<8>(x, g, rows, in, s)
                                     : dispatch_rows_group<1>(x, g, rows, in, s);

@@ -10,6 +10,7 @@
 
 #include "ops/cuda_bf16.cuh"
 #include "ops/cuda_device.cuh"
+#include "ops/linear.h"
 
 namespace k3::ops::cuda::rows_detail {
 
@@ -72,6 +73,48 @@ __device__ __forceinline__ void tile_sums(const bf16* __restrict__ x, const bf16
 }
 
 // Whether the tile takes 16-byte chunks (VEC = 8) for (x, w): in % 8 == 0 and both 16-byte aligned.
+// The projections of one grouped launch (linear_rows_group_kernel, linear_rows_tc_kernel): projection j owns
+// blocks [begin[j], begin[j + 1]) of the grid.
+struct GroupArgs {
+  const bf16* w[kLinearGroupMax];
+  void* y[kLinearGroupMax];
+  int64_t out[kLinearGroupMax];
+  int64_t begin[kLinearGroupMax + 1];
+  bool y_f32[kLinearGroupMax];
+  int n;
+};
+
+// The projections' pointers and sizes (begin[] left to set_begin).
+inline GroupArgs group_args(const LinearOut* outs, int n) {
+  GroupArgs g{};
+  g.n = n;
+  for (int j = 0; j < n; ++j) {
+    g.w[j] = outs[j].w;
+    g.y[j] = outs[j].y;
+    g.out[j] = outs[j].out;
+    g.y_f32[j] = outs[j].y_f32;
+  }
+  return g;
+}
+
+// begin[] from each projection's block count blocks(out_j); false when the grid is too large for one launch.
+template <typename Blocks>
+bool set_begin(GroupArgs& g, Blocks blocks) {
+  g.begin[0] = 0;
+  for (int j = 0; j < g.n; ++j) g.begin[j + 1] = g.begin[j] + blocks(g.out[j]);
+  for (int j = g.n + 1; j <= kLinearGroupMax; ++j) g.begin[j] = g.begin[g.n];
+  return g.begin[g.n] <= 0x7fffffff;
+}
+
+// The projection block b belongs to.
+__device__ __forceinline__ int group_member(const GroupArgs& g, int64_t b) {
+  int j = 0;
+#pragma unroll
+  for (int k = 1; k < kLinearGroupMax; ++k)
+    if (k < g.n && b >= g.begin[k]) j = k;
+  return j;
+}
+
 inline bool rows_vec(const bf16* x, const bf16* w, int64_t in) {
   return in % 8 == 0 && detail::aligned16(x) && detail::aligned16(w);
 }

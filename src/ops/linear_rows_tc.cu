@@ -26,6 +26,7 @@
 #include "ops/cuda_device.cuh"
 #include "ops/cuda_mma.cuh"
 #include "ops/linear.h"
+#include "ops/linear_rows.cuh"
 
 namespace k3::ops::cuda {
 namespace {
@@ -33,6 +34,7 @@ namespace {
 using detail::aligned16;
 using detail::kWarp;
 using detail::mma_bf16_16816;
+using rows_detail::GroupArgs;
 
 constexpr int kTcWarps = 8;
 constexpr int kTcThreads = kTcWarps * kWarp;
@@ -40,15 +42,6 @@ constexpr int kTcFeat = 16;   // output features per CTA (the mma's m16)
 constexpr int kTcN = 8;       // rows of x per mma (its n8); a CTA has NT of them
 constexpr int kTcChunk = 32;  // k values per warp step: 8 per lane, two k16 mma steps
 constexpr int kTcUnroll = 4;  // chunks a warp has in flight
-
-struct TcGroup {
-  const bf16* w[kLinearGroupMax];
-  void* y[kLinearGroupMax];
-  int64_t out[kLinearGroupMax];
-  int64_t begin[kLinearGroupMax + 1];  // projection j owns blocks [begin[j], begin[j + 1])
-  bool y_f32[kLinearGroupMax];
-  int n;
-};
 
 // 16 bytes of a stream read once (the weights): read-only, not kept in L1.
 __device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
@@ -61,13 +54,10 @@ __device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
 
 template <int NT>
 __global__ void __launch_bounds__(kTcThreads)
-    linear_rows_tc_kernel(const bf16* __restrict__ x, int64_t x_ld, const __grid_constant__ TcGroup g, int64_t rows,
+    linear_rows_tc_kernel(const bf16* __restrict__ x, int64_t x_ld, const __grid_constant__ GroupArgs g, int64_t rows,
                           int64_t in, int64_t row_tiles, bool add) {
   const int64_t b = blockIdx.x;
-  int j = 0;
-#pragma unroll
-  for (int k = 1; k < kLinearGroupMax; ++k)
-    if (k < g.n && b >= g.begin[k]) j = k;
+  const int j = rows_detail::group_member(g, b);
   detail::pdl_wait();
   detail::pdl_launch_dependents();
   __shared__ float red[kTcWarps][NT][4][kWarp];
@@ -165,18 +155,10 @@ int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows
   if (!linear_rows_tc_fits(x, x_ld, in, outs, n)) return cudaErrorNotSupported;
   // NT n8 tiles per CTA: the fewest that cover the rows, at most 4.
   const int nt = rows <= kTcN ? 1 : rows <= 2 * kTcN ? 2 : 4;
-  TcGroup g{};
-  g.n = n;
+  GroupArgs g = rows_detail::group_args(outs, n);
   const int64_t row_tiles = (rows + kTcN * nt - 1) / (kTcN * nt);
-  for (int j = 0; j < n; ++j) {
-    g.w[j] = outs[j].w;
-    g.y[j] = outs[j].y;
-    g.out[j] = outs[j].out;
-    g.y_f32[j] = outs[j].y_f32;
-    g.begin[j + 1] = g.begin[j] + row_tiles * ((outs[j].out + kTcFeat - 1) / kTcFeat);
-  }
-  for (int j = n + 1; j <= kLinearGroupMax; ++j) g.begin[j] = g.begin[n];
-  if (g.begin[n] > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  if (!rows_detail::set_begin(g, [&](int64_t out) { return row_tiles * ((out + kTcFeat - 1) / kTcFeat); }))
+    return cudaErrorInvalidConfiguration;
   const auto blocks = static_cast<unsigned>(g.begin[n]);
   auto s = reinterpret_cast<cudaStream_t>(ctx.stream);
   auto go = [&](auto kernel) {
