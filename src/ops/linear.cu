@@ -266,9 +266,8 @@ int linear_path(const Context& ctx, LinearPath path, const bf16* x, int64_t x_ld
   const bool skinny = !add && !rows_kernel &&
                       (path == LinearPath::Kernel || (path == LinearPath::Auto && kLinearAutoSkinny)) && x_ld == in &&
                       linear_skinny_fits(rows, in, x, w);
-  const LinearOut one{w, y, out, y_f32};
-  if (path == LinearPath::RowsTc ||
-      (path == LinearPath::Auto && !rows_kernel && linear_rows_tc_takes(rows, x, x_ld, in, &one, 1))) {
+  if (path == LinearPath::RowsTc) {
+    const LinearOut one{w, y, out, y_f32};
     const int e = linear_rows_tc(ctx, x, x_ld, rows, in, &one, 1, add);
     if (e != cudaErrorNotSupported) return e;  // not supported: in or x_ld % 8 != 0 or unaligned, nothing enqueued
   }

@@ -127,9 +127,11 @@ int linear_skinny(const Context& ctx, const bf16* x, const bf16* w, void* y, boo
 bool linear_rows_tc_fits(const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n);
 int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows, int64_t in, const LinearOut* outs,
                    int n, bool add = false);
-// Auto (linear, linear_ld, linear_add, linear_group) takes it where linear_rows_tc_takes: more rows than the
-// rows kernel takes, at most linear_rows_tc_max_rows() (kLinearRowsTcMaxRows, or K3_LINEAR_TC_ROWS_MAX=0..64
-// in the environment, read once; 0: never), and it fits. Off until measured against the paths it would replace.
+// linear_group's Auto takes it where linear_rows_tc_takes: a group (n >= 2) of kLinearRowsTcMinRows rows or
+// more (and more than the rows kernel takes), at most linear_rows_tc_max_rows() (kLinearRowsTcMaxRows, or
+// K3_LINEAR_TC_ROWS_MAX=0..64 in the environment, read once; 0: never), where it fits. One projection alone
+// stays on linear()'s paths, which are as fast or faster at every per-rank shape (docs/PERF.md).
+constexpr int64_t kLinearRowsTcMinRows = 3;
 constexpr int64_t kLinearRowsTcMaxRows = 0;
 int64_t linear_rows_tc_max_rows();
 bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n);

@@ -2,10 +2,10 @@
 // y_j[r, o] = sum_i x[r, i] W_j[o, i] for j < n; x [rows, in] BF16, W_j [out_j, in] BF16, y_j [rows, out_j]
 // BF16 (rounded once from the FP32 sum) or FP32; FP32 accumulation (mma.sync m16n8k16).
 //
-// A CTA of kTcWarps warps owns 16 output features of one projection (the mma's A operand, W rows o0 ..
+// A CTA of WARPS warps (4 or 8) owns 16 output features of one projection (the mma's A operand, W rows o0 ..
 // o0 + 15) and a tile of 8 NT rows of x (NT = 1, 2 or 4 by the row count: NT n8 B operands sharing each A
 // fragment; rows past `rows` are zeros, nothing read). Its
-// warps split the input dimension in chunks of 32 values, chunk c on warp c % kTcWarps. In a chunk, lane
+// warps split the input dimension in chunks of 32 values, chunk c on warp c % WARPS. In a chunk, lane
 // (g = lane / 4, t = lane % 4) loads 16 bytes of W row o0 + g, of W row o0 + g + 8 and of x rows r0 + 8 n + g, all
 // at k = 32 c + 8 t .. + 7, straight into fragment registers: the mma sums over k in any order as long as
 // A and B use the same one, so the lane's 8 contiguous values serve as its k slots {2t, 2t+1, 2t+8, 2t+9}
@@ -36,8 +36,7 @@ using detail::kWarp;
 using detail::mma_bf16_16816;
 using rows_detail::GroupArgs;
 
-constexpr int kTcWarps = 8;
-constexpr int kTcThreads = kTcWarps * kWarp;
+constexpr int kTcWarps = 8;   // warps per CTA (the default of K3_LINEAR_TC_WARPS)
 constexpr int kTcFeat = 16;   // output features per CTA (the mma's m16)
 constexpr int kTcN = 8;       // rows of x per mma (its n8); a CTA has NT of them
 constexpr int kTcChunk = 32;  // k values per warp step: 8 per lane, two k16 mma steps
@@ -52,15 +51,15 @@ __device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
   return v;
 }
 
-template <int NT>
-__global__ void __launch_bounds__(kTcThreads)
+template <int NT, int WARPS>
+__global__ void __launch_bounds__(WARPS * kWarp)
     linear_rows_tc_kernel(const bf16* __restrict__ x, int64_t x_ld, const __grid_constant__ GroupArgs g, int64_t rows,
                           int64_t in, int64_t row_tiles, bool add) {
   const int64_t b = blockIdx.x;
   const int j = rows_detail::group_member(g, b);
   detail::pdl_wait();
   detail::pdl_launch_dependents();
-  __shared__ float red[kTcWarps][NT][4][kWarp];
+  __shared__ float red[WARPS][NT][4][kWarp];
 
   const int64_t blk = b - g.begin[j], out = g.out[j];
   const int64_t r0 = (blk % row_tiles) * kTcN * NT, o0 = (blk / row_tiles) * kTcFeat;
@@ -78,11 +77,11 @@ __global__ void __launch_bounds__(kTcThreads)
 
   float c[NT][4] = {};
   const int64_t kmax = in - 8 * t;  // the lane's piece of chunk ch is valid when 32 ch < kmax (in % 8 == 0)
-  for (int64_t c0 = warp; c0 * kTcChunk < in; c0 += kTcWarps * kTcUnroll) {
+  for (int64_t c0 = warp; c0 * kTcChunk < in; c0 += WARPS * kTcUnroll) {
     uint4 a[kTcUnroll], a8[kTcUnroll], bx[kTcUnroll][NT];
 #pragma unroll
     for (int u = 0; u < kTcUnroll; ++u) {
-      const int64_t k = (c0 + u * kTcWarps) * kTcChunk;
+      const int64_t k = (c0 + u * WARPS) * kTcChunk;
       const bool valid = k < kmax;
       a[u] = valid ? ld_stream16(wa + k) : make_uint4(0, 0, 0, 0);
       a8[u] = valid ? ld_stream16(wb + k) : make_uint4(0, 0, 0, 0);
@@ -106,12 +105,12 @@ __global__ void __launch_bounds__(kTcThreads)
     for (int i = 0; i < 4; ++i) red[warp][n][i][lane] = c[n][i];
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < NT * 4 * kWarp; e += kTcThreads) {
+  for (int e = threadIdx.x; e < NT * 4 * kWarp; e += WARPS * kWarp) {
     // Accumulator i of lane l in n-tile n: feature l / 4 (+ 8 for i >= 2), row 8 n + 2 (l % 4) + (i & 1).
     const int n = e / (4 * kWarp), i = e / kWarp % 4, l = e % kWarp;
     float s = 0.f;
 #pragma unroll
-    for (int w = 0; w < kTcWarps; ++w) s += red[w][n][i][l];
+    for (int w = 0; w < WARPS; ++w) s += red[w][n][i][l];
     const int64_t o = o0 + l / 4 + (i >= 2 ? 8 : 0), r = r0 + kTcN * n + 2 * (l % 4) + (i & 1);
     if (o < out && r < rows) {
       if (g.y_f32[j]) {
@@ -133,8 +132,8 @@ int64_t linear_rows_tc_max_rows() {
 }
 
 bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n) {
-  return rows > linear_rows_kernel_max_rows() && rows <= linear_rows_tc_max_rows() &&
-         linear_rows_tc_fits(x, x_ld, in, outs, n);
+  return n >= 2 && rows >= kLinearRowsTcMinRows && rows > linear_rows_kernel_max_rows() &&
+         rows <= linear_rows_tc_max_rows() && linear_rows_tc_fits(x, x_ld, in, outs, n);
 }
 
 bool linear_rows_tc_fits(const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n) {
@@ -161,10 +160,16 @@ int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows
     return cudaErrorInvalidConfiguration;
   const auto blocks = static_cast<unsigned>(g.begin[n]);
   auto s = reinterpret_cast<cudaStream_t>(ctx.stream);
-  auto go = [&](auto kernel) {
-    return detail::launch(kernel, blocks, kTcThreads, 0, s, x, x_ld, g, rows, in, row_tiles, add);
+  // Warps per CTA: kTcWarps, or K3_LINEAR_TC_WARPS in the environment (4: any value below 8; read once).
+  static const int warps = env_int("K3_LINEAR_TC_WARPS", 4, 8, kTcWarps) < 8 ? 4 : 8;
+  auto go = [&](auto kernel, int w) {
+    return detail::launch(kernel, blocks, w * kWarp, 0, s, x, x_ld, g, rows, in, row_tiles, add);
   };
-  return nt == 1 ? go(linear_rows_tc_kernel<1>) : nt == 2 ? go(linear_rows_tc_kernel<2>) : go(linear_rows_tc_kernel<4>);
+  if (warps == 4)
+    return nt == 1 ? go(linear_rows_tc_kernel<1, 4>, 4) : nt == 2 ? go(linear_rows_tc_kernel<2, 4>, 4)
+                                                            : go(linear_rows_tc_kernel<4, 4>, 4);
+  return nt == 1 ? go(linear_rows_tc_kernel<1, 8>, 8) : nt == 2 ? go(linear_rows_tc_kernel<2, 8>, 8)
+                                                          : go(linear_rows_tc_kernel<4, 8>, 8);
 }
 
 }  // namespace k3::ops::cuda

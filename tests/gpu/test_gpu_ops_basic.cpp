@@ -603,19 +603,23 @@ TEST(CudaLinearGroup, TakesTheRowsAndGroupsItWasMeasuredToWin) {
   EXPECT_FALSE(takes(4, dense));
   EXPECT_FALSE(takes(1, one));
   EXPECT_FALSE(takes(0, mla));
-  // The tensor-core row-tile kernel: from 2 rows (1 row is the rows kernel's) to kLinearRowsTcMaxRows, on every
-  // group and on one projection; not where it does not fit (x off its 16-byte alignment, k not a multiple of 8).
+  // The tensor-core row-tile kernel: groups of kLinearRowsTcMinRows to kLinearRowsTcMaxRows rows (fewer are
+  // the rows kernel's); never one projection; not where it does not fit (x off its 16-byte alignment, k not a
+  // multiple of 8).
+  using ops::cuda::kLinearRowsTcMaxRows;
+  using ops::cuda::kLinearRowsTcMinRows;
   auto tc = [](int64_t rows, const std::vector<ops::cuda::LinearOut>& g, int xoff = 0, int64_t in = 7168) {
     const bf16* xp = x + xoff;
     return ops::cuda::linear_rows_tc_takes(rows, xp, in, in, g.data(), static_cast<int>(g.size()));
   };
-  for (const auto* g : {&mla, &router_down, &sliced, &dense, &one}) {
-    EXPECT_FALSE(tc(1, *g));
-    for (int64_t rows = 2; rows <= ops::cuda::kLinearRowsTcMaxRows; ++rows) EXPECT_TRUE(tc(rows, *g)) << rows;
-    EXPECT_FALSE(tc(ops::cuda::kLinearRowsTcMaxRows + 1, *g));
-    EXPECT_FALSE(tc(4, *g, 1));
-    EXPECT_FALSE(tc(4, *g, 0, 7164));
+  for (const auto* g : {&mla, &router_down, &sliced, &dense}) {
+    for (int64_t rows = 1; rows < kLinearRowsTcMinRows; ++rows) EXPECT_FALSE(tc(rows, *g)) << rows;
+    for (int64_t rows = kLinearRowsTcMinRows; rows <= kLinearRowsTcMaxRows; ++rows) EXPECT_TRUE(tc(rows, *g)) << rows;
+    EXPECT_FALSE(tc(std::max(kLinearRowsTcMinRows, kLinearRowsTcMaxRows + 1), *g));
+    EXPECT_FALSE(tc(kLinearRowsTcMaxRows, *g, 1));
+    EXPECT_FALSE(tc(kLinearRowsTcMaxRows, *g, 0, 7164));
   }
+  for (int64_t rows = 1; rows <= 64; ++rows) EXPECT_FALSE(tc(rows, one)) << rows;
 }
 
 TEST(CudaLinearGroup, RejectsBadGroups) {
