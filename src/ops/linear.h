@@ -53,7 +53,8 @@ int linear_ld(const Context& ctx, const bf16* x, int64_t x_ld, const bf16* w, vo
               int64_t in, int64_t out);
 // The same with the path forced (benchmarks compare them): Kernel = the hand-written kernels (skinny for
 // the rows and shapes it takes, else linear_rows_kernel at any row count); Rows = linear_rows_kernel at
-// any row count; CublasLt = cuBLASLt (the hand-written kernels if cuBLASLt has no algorithm); Auto =
+// any row count; CublasLt = cuBLASLt (the hand-written kernels if cuBLASLt has no algorithm); RowsTc = the
+// tensor-core row-tile kernel (linear_rows_tc below; linear_rows_kernel where it does not fit); Auto =
 // linear().
 enum class LinearPath { Auto, Kernel, Rows, CublasLt, RowsTc };
 int linear_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows,
@@ -69,9 +70,11 @@ int linear_add(const Context& ctx, const bf16* x, const bf16* w, bf16* y, int64_
 int linear_add_via(const Context& ctx, LinearPath path, const bf16* x, const bf16* w, bf16* y, int64_t rows,
                    int64_t in, int64_t out);
 // Several projections of the same input rows: y_j [rows, out_j] = x W_j^T for j < n (n <= kLinearGroupMax).
-// Where linear_group_takes() (below) one launch does them all (linear_rows_group_kernel: the CTAs of every
-// projection dealt over one grid, so the small ones run in the large one's wave instead of paying their own
-// launch ramp and tail), each y_j bitwise linear_via(Rows); otherwise one linear() call each, bitwise.
+// Where linear_rows_tc_takes() (below) one launch of the tensor-core row-tile kernel does them all, each y_j
+// bitwise linear_via(RowsTc). Else where linear_group_takes() one launch does them all
+// (linear_rows_group_kernel: the CTAs of every projection dealt over one grid, so the small ones run in the
+// large one's wave instead of paying their own launch ramp and tail), each y_j bitwise linear_via(Rows);
+// otherwise one linear() call each, bitwise.
 // No y may alias x or another y. K3_LINEAR_GROUP=0 in the environment makes Auto separate calls (A/B runs).
 struct LinearOut {
   const bf16* w = nullptr;  // [out, in]
@@ -94,7 +97,8 @@ constexpr int64_t kLinearGroupMaxWeights = int64_t{28} << 20;
 bool linear_group_takes(int64_t rows, const bf16* x, int64_t in, const LinearOut* outs, int n);
 // Auto = linear_group; Grouped = linear_rows_kernel per projection at any row count (tests): the grouped
 // kernel (bitwise linear_via(Rows) per projection), or one linear_via(Rows) each where linear_group_fits is
-// false; Separate = one linear() per projection.
+// false; Separate = one linear() per projection; GroupedTc = linear_rows_tc at any row count (separate
+// linear() calls where it does not fit).
 enum class LinearGroupPath { Auto, Grouped, Separate, GroupedTc };
 int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, int64_t rows, int64_t in,
                      const LinearOut* outs, int n);
