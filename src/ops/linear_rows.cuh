@@ -72,7 +72,6 @@ __device__ __forceinline__ void tile_sums(const bf16* __restrict__ x, const bf16
   __syncthreads();
 }
 
-// Whether the tile takes 16-byte chunks (VEC = 8) for (x, w): in % 8 == 0 and both 16-byte aligned.
 // The projections of one grouped launch (linear_rows_group_kernel, linear_rows_tc_kernel): projection j owns
 // blocks [begin[j], begin[j + 1]) of the grid.
 struct GroupArgs {
@@ -115,6 +114,7 @@ __device__ __forceinline__ int group_member(const GroupArgs& g, int64_t b) {
   return j;
 }
 
+// Whether the tile takes 16-byte chunks (VEC = 8) for (x, w): in % 8 == 0 and both 16-byte aligned.
 inline bool rows_vec(const bf16* x, const bf16* w, int64_t in) {
   return in % 8 == 0 && detail::aligned16(x) && detail::aligned16(w);
 }

@@ -4,23 +4,21 @@
 //
 // A CTA of WARPS warps (4 or 8) owns 16 output features of one projection (the mma's A operand, W rows o0 ..
 // o0 + 15) and a tile of 8 NT rows of x (NT = 1, 2 or 4 by the row count: NT n8 B operands sharing each A
-// fragment; rows past `rows` are zeros, nothing read). Its
-// warps split the input dimension in chunks of 32 values, chunk c on warp c % WARPS. In a chunk, lane
-// (g = lane / 4, t = lane % 4) loads 16 bytes of W row o0 + g, of W row o0 + g + 8 and of x rows r0 + 8 n + g, all
-// at k = 32 c + 8 t .. + 7, straight into fragment registers: the mma sums over k in any order as long as
-// A and B use the same one, so the lane's 8 contiguous values serve as its k slots {2t, 2t+1, 2t+8, 2t+9}
-// of two k16 steps (values 0-3 in the first, 4-7 in the second) for both operands. No shared-memory
-// staging and no conversions: per 16 bytes of W a lane issues one load and one mma, where the CUDA-core
-// rows kernel (linear.cu) converts and multiplies every value once per row, which at 8 rows bounds it by
-// instruction issue; and x is read once per 16 features (the rows kernel: once per 4). More than 8 NT
-// rows: row tiles, each reading W again (from L2 when its neighbours in the grid just did).
+// fragment; rows past `rows` are zeros, nothing read). Its warps split the input dimension in chunks of 32
+// values, chunk c on warp c % WARPS. In a chunk, lane (g = lane / 4, t = lane % 4) loads 16 bytes of W row
+// o0 + g, of W row o0 + g + 8 and of x rows r0 + 8 n + g, all at k = 32 c + 8 t .. + 7, straight into
+// fragment registers: the mma sums over k in any order as long as A and B use the same one, so the lane's
+// 8 contiguous values serve as its k slots {2t, 2t+1, 2t+8, 2t+9} of two k16 steps (values 0-3 in the
+// first, 4-7 in the second) for both operands. No shared-memory staging and no conversions: per 16 bytes of
+// W a lane issues one load and one mma, where the CUDA-core rows kernel (linear.cu) converts and multiplies
+// every value once per row, which at 8 rows bounds it by instruction issue; and x is read once per 16
+// features (the rows kernel: once per 4). More than 8 NT rows: row tiles, each reading W again (from L2 when
+// its neighbours in the grid just did).
 //
 // W streams through L1 without allocating (ld.global.nc.L1::no_allocate), so x (small, read by every CTA)
 // stays in L1. The warps' FP32 partials meet in shared memory and are summed in warp order, one fixed
 // order per output: the same bits on every run for a shape. The row tile is the fastest grid index (the
 // CTAs that read the same W rows run together); projection j's CTAs follow projection j - 1's in one grid.
-#include <algorithm>
-
 #include "core/env.h"
 #include "ops/cuda_bf16.cuh"
 #include "ops/cuda_device.cuh"

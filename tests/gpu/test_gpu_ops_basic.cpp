@@ -470,7 +470,7 @@ void check_linear_group(const std::vector<GroupProj>& projs, int64_t in, const s
                                       << (takes_tc ? " tc" : takes ? " grouped" : " separate"));
       const LinearPath named = takes_tc ? LinearPath::RowsTc : takes ? LinearPath::Rows : LinearPath::Auto;
       EXPECT_TRUE(autos[j] == linear_bytes_at(named, xp, wp[j], rows, in, p.out, p.f32))
-          << "auto group differs from the path linear_group_takes names";
+          << "auto group differs from the path the group rules name";
       EXPECT_TRUE(grouped[j] == linear_bytes_at(LinearPath::Rows, xp, wp[j], rows, in, p.out, p.f32))
           << "grouped kernel differs from linear_rows_kernel";
       expect_linear_cpu(autos[j], x, w[j], rows, in, p.out, p.f32, "auto group");
@@ -618,6 +618,13 @@ TEST(CudaLinearGroup, TakesTheRowsAndGroupsItWasMeasuredToWin) {
     EXPECT_FALSE(tc(std::max(kLinearRowsTcMinRows, kLinearRowsTcMaxRows + 1), *g));
     EXPECT_FALSE(tc(kLinearRowsTcMaxRows, *g, 1));
     EXPECT_FALSE(tc(kLinearRowsTcMaxRows, *g, 0, 7164));
+    // What it fits, asked directly (the checks above hold trivially while the default takes no rows).
+    const int n = static_cast<int>(g->size());
+    EXPECT_TRUE(ops::cuda::linear_rows_tc_fits(x, 7168, 7168, g->data(), n));
+    EXPECT_TRUE(ops::cuda::linear_rows_tc_fits(x, 7176, 7168, g->data(), n));  // strided rows
+    EXPECT_FALSE(ops::cuda::linear_rows_tc_fits(x + 1, 7168, 7168, g->data(), n));
+    EXPECT_FALSE(ops::cuda::linear_rows_tc_fits(x, 7164, 7164, g->data(), n));
+    EXPECT_FALSE(ops::cuda::linear_rows_tc_fits(x, 7172, 7168, g->data(), n));  // x_ld % 8 != 0
   }
   for (int64_t rows = 1; rows <= 64; ++rows) EXPECT_FALSE(tc(rows, one)) << rows;
 }
