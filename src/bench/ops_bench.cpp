@@ -2,8 +2,11 @@
 // K3 (TP8 x DP4, EP32), each timed as a CUDA graph of 20 back-to-back launches
 // (median over 15 replays, per launch; 2 launches and 5 replays for a kernel
 // slower than 2 ms) beside its floor (its bytes over the HBM
-// bandwidth of the same run). Inputs are random; L2 is not flushed between the
-// 20 launches, so operands smaller than L2 (50 MB) can beat the HBM floor.
+// bandwidth of the same run). Inputs are random. The projections' weights
+// rotate over copies of at least kColdBytes in all, launch i reading copy
+// i % copies, so that they come from HBM as in the step (which streams every
+// layer's weights once); elsewhere L2 is not flushed between the 20 launches,
+// so operands smaller than L2 (50 MB) can beat the HBM floor.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -40,13 +43,13 @@ void h2d(void* dst, const void* src, size_t bytes) {
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-// Microseconds per launch of `fn` (which enqueues one launch on s).
-double time_us(cudaStream_t s, const std::function<void()>& fn) {
+// Microseconds per launch of `fn` (which enqueues one launch on s; fn(i): launch i of the graph).
+double time_us(cudaStream_t s, const std::function<void(int)>& fn) {
   cudaEvent_t a, b;
   CUDA_CHECK(cudaEventCreate(&a));
   CUDA_CHECK(cudaEventCreate(&b));
   CUDA_CHECK(cudaEventRecord(a, s));
-  fn();  // warm-up and error check outside the graph
+  fn(0);  // warm-up and error check outside the graph
   CUDA_CHECK(cudaEventRecord(b, s));
   CUDA_CHECK(cudaEventSynchronize(b));
   float first_ms = 0;
@@ -54,7 +57,7 @@ double time_us(cudaStream_t s, const std::function<void()>& fn) {
   const int per_graph = first_ms > 2.0f ? 2 : 20, replays = first_ms > 2.0f ? 6 : 16;  // slow kernels: fewer
   cudaGraph_t g;
   CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < per_graph; ++i) fn();
+  for (int i = 0; i < per_graph; ++i) fn(i);
   CUDA_CHECK(cudaStreamEndCapture(s, &g));
   cudaGraphExec_t e;
   CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
@@ -74,6 +77,15 @@ double time_us(cudaStream_t s, const std::function<void()>& fn) {
   cudaGraphDestroy(g);
   return median(t);
 }
+
+double time_us(cudaStream_t s, const std::function<void()>& fn) {
+  return time_us(s, std::function<void(int)>([&](int) { fn(); }));
+}
+
+// Weights read by one launch of `bytes` rotate over copies(bytes) buffers: at least kColdBytes in all (3x the
+// 50 MB L2 of an H100 / H200), at most one per launch of a graph.
+constexpr double kColdBytes = 150e6;
+int copies(double bytes) { return static_cast<int>(std::clamp(std::ceil(kColdBytes / bytes), 1.0, 20.0)); }
 
 DeviceBuffer random_buffer(size_t bytes, int kind, cudaStream_t s, uint64_t seed) {
   DeviceBuffer b(bytes);
@@ -107,7 +119,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
 
   // 1. Projections: hand-written kernel vs cuBLASLt vs the chosen path.
   if (want("linear")) {
-    fmt::print("\nprojections (per-rank K3 shapes, out x in), us per call and % of HBM bandwidth\n");
+    fmt::print("\nprojections (per-rank K3 shapes, out x in), us per call and % of HBM bandwidth (weights from HBM)\n");
     fmt::print("{:>12} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}\n", "out x in", "M", "kernel", "rows",
                "rows_tc", "cublasLt", "auto", "floor", "auto%");
     const std::pair<int64_t, int64_t> shapes[] = {{6288, 7168}, {7168, 1536}, {2304, 1536}, {1536, 7168},
@@ -115,8 +127,9 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
                                                   {7168, 6144}, {33792, 7168}, {7168, 33792}};
     const int Ms[] = {1, 2, 4, 8, 16, 32, 64};
     for (auto [out, in] : shapes) {
-      DeviceBuffer w = random_buffer(out * in * 2, 0, s, 1), x = random_buffer(64 * in * 2, 0, s, 2),
-                   y(64 * out * 4);
+      std::vector<DeviceBuffer> w;
+      for (int c = copies(double(out) * in * 2); c > 0; --c) w.push_back(random_buffer(out * in * 2, 0, s, 1 + c));
+      DeviceBuffer x = random_buffer(64 * in * 2, 0, s, 2), y(64 * out * 4);
       for (int M : Ms) {
         // kernel = the hand-written path (skinny where it fits), rows = linear_rows_kernel alone, rows_tc = the
         // tensor-core row-tile kernel.
@@ -124,8 +137,9 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         const cu::LinearPath paths[5] = {cu::LinearPath::Kernel, cu::LinearPath::Rows, cu::LinearPath::RowsTc,
                                          cu::LinearPath::CublasLt, cu::LinearPath::Auto};
         for (int p = 0; p < 5; ++p)
-          t[p] = time_us(s, [&] {
-            K3_OK(cu::linear_via(ctx, paths[p], x.get<bf16>(), w.get<bf16>(), y.get(), false, M, in, out));
+          t[p] = time_us(s, [&](int i) {
+            K3_OK(cu::linear_via(ctx, paths[p], x.get<bf16>(), w[i % w.size()].get<bf16>(), y.get(), false, M, in,
+                                 out));
           });
         const double bytes = double(out) * in * 2 + double(M) * (in + out) * 2;
         fmt::print("{:>6}x{:<5} {:>4} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>6.0f}%\n", out, in, M,
@@ -138,7 +152,8 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
     // Projection groups (cu::linear_group) at 1-8 rows: the projections of one input in one launch of the
     // rows kernel (Grouped) against one launch each (Separate: the rows kernel at 1 row, else cuBLASLt), as
     // the rank runs them; the step's choice is linear_group_takes().
-    fmt::print("\nprojection groups at 1-8 rows (per-rank shapes), us per group and % of HBM bandwidth\n");
+    fmt::print("\nprojection groups at 1-16 rows (per-rank shapes), us per group and % of HBM bandwidth "
+               "(weights from HBM)\n");
     fmt::print("{:>34} {:>4} {:>9} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7}\n", "group (out..) x in", "rows", "separate",
                "grouped", "tc", "floor", "sep%", "grp%", "tc%");
     struct Group {
@@ -159,27 +174,32 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
     const int64_t kGroupRowsMax = 16;
     for (const auto& g : groups) {
       std::vector<DeviceBuffer> ws, ys;
-      std::vector<cu::LinearOut> outs;
       double wbytes = 0, obytes = 0;
       std::string shape;
       for (size_t j = 0; j < g.outs.size(); ++j) {
         const auto [out, f32] = g.outs[j];
-        ws.push_back(random_buffer(out * g.in * 2, 0, s, 20 + j));
         ys.emplace_back(kGroupRowsMax * out * 4);
-        outs.push_back({ws.back().get<bf16>(), ys.back().get(), out, f32});
         wbytes += double(out) * g.in * 2;
         obytes += double(out) * (f32 ? 4 : 2);
         shape += fmt::format("{}{}", j ? "+" : "", out);
       }
+      // outs[c]: the group on weight copy c.
+      std::vector<std::vector<cu::LinearOut>> outs(static_cast<size_t>(copies(wbytes)));
+      for (size_t c = 0; c < outs.size(); ++c)
+        for (size_t j = 0; j < g.outs.size(); ++j) {
+          const auto [out, f32] = g.outs[j];
+          ws.push_back(random_buffer(out * g.in * 2, 0, s, 20 + j + 10 * c));
+          outs[c].push_back({ws.back().get<bf16>(), ys[j].get(), out, f32});
+        }
       DeviceBuffer x = random_buffer(kGroupRowsMax * g.in * 2, 0, s, 3);
       for (const int64_t M : {1, 2, 4, 8, 16}) {
         double t[3];
         const cu::LinearGroupPath paths[3] = {cu::LinearGroupPath::Separate, cu::LinearGroupPath::Grouped,
                                               cu::LinearGroupPath::GroupedTc};
         for (int p = 0; p < 3; ++p)
-          t[p] = time_us(s, [&] {
-            K3_OK(cu::linear_group_via(ctx, paths[p], x.get<bf16>(), M, g.in, outs.data(),
-                                       static_cast<int>(outs.size())));
+          t[p] = time_us(s, [&](int i) {
+            const auto& o = outs[i % outs.size()];
+            K3_OK(cu::linear_group_via(ctx, paths[p], x.get<bf16>(), M, g.in, o.data(), static_cast<int>(o.size())));
           });
         const double bytes = wbytes + double(M) * (g.in * 2 + obytes), floor_us = bytes / bw * 1e6;
         fmt::print("{:>27}x{:<6} {:>4} {:>9.1f} {:>9.1f} {:>9.1f} {:>9.1f} {:>6.0f}% {:>6.0f}% {:>6.0f}%   {}\n", shape,
