@@ -13,7 +13,12 @@
 # and leaves a copy of that file in $OUT (on a lent machine only $OUT comes
 # back). --bench-only skips the tests; K3_BENCH_VARIANTS (default "k3 k3.1")
 # picks the variants benched, so that one variant's three processes fit one
-# lent-machine call. Copy the JSON over docs/perf/rank_slice_{k3,k3.1}.json by
+# lent-machine call; K3_BENCH_MODES (default "stock hybrid hybrid-replicated")
+# the step modes and their order (each mode for every variant, then the next),
+# and K3_BENCH_DEADLINE (seconds from the
+# start of the bench, default none) skips a process that would start with less
+# than a minute left and stops the one running at the deadline, so that a
+# lent call ends with what it measured. Copy the JSON over docs/perf/rank_slice_{k3,k3.1}.json by
 # hand when the run becomes the current one (docs/PERF.md). Uses the binaries in $K3_BIN
 # when given (carried from another machine, with the shared libraries they
 # need beside them), else builds (cmake -G Ninja, all cores).
@@ -90,14 +95,28 @@ if [ "$bench" = 1 ]; then
   # The three modes of the table: stock, hybrid (its default, TP-sharded shared experts) and the seed's
   # hybrid step (replicated shared experts).
   variants=(${K3_BENCH_VARIANTS:-k3 k3.1})
-  for v in "${variants[@]}"; do
-    for mode in stock hybrid hybrid-replicated; do
+  modes=(${K3_BENCH_MODES:-stock hybrid hybrid-replicated})
+  t0=$(date +%s)
+  for v in "${variants[@]}"; do  # no earlier run's points in this run's JSON
+    rm -f "$out/rank_slice_${v}_stock.json" "$out/rank_slice_${v}_hybrid.json" "$out/rank_slice_${v}_hybrid-replicated.json"
+  done
+  for mode in "${modes[@]}"; do
+    for v in "${variants[@]}"; do
+      limit=()
+      if [ -n "${K3_BENCH_DEADLINE:-}" ]; then
+        left=$((K3_BENCH_DEADLINE - $(date +%s) + t0))
+        if [ "$left" -lt 60 ]; then echo "bench: $v $mode skipped (${left}s to the deadline)"; status=1; continue; fi
+        limit=(timeout "$left")
+      fi
       st=${mode%-replicated} shared=(); [ "$mode" = hybrid-replicated ] && shared=(--shared-experts replicated)
-      "$bin/k3decode" bench --preset k3-rank-slice --variant "$v" --tp 8 --dp 4 --rank 0 --context 8192 \
+      "${limit[@]}" "$bin/k3decode" bench --preset k3-rank-slice --variant "$v" --tp 8 --dp 4 --rank 0 --context 8192 \
         --batches 1 8 32 64 --q 1 4 --iters 50 --steps "$st" "${shared[@]}" --commit "$commit" \
         --json "$out/rank_slice_${v}_$mode.json" 2>&1 | tee "$out/bench_${v}_$mode.log" || status=1
     done
-    python3 -c 'import json, sys; json.dump([r for f in sys.argv[2:] for r in json.load(open(f))], open(sys.argv[1], "w"), indent=1)' \
+  done
+  for v in "${variants[@]}"; do
+    # The modes measured, in the table's order.
+    python3 -c 'import json, os, sys; json.dump([r for f in sys.argv[2:] if os.path.exists(f) for r in json.load(open(f))], open(sys.argv[1], "w"), indent=1)' \
       "$out/rank_slice_$v.json" "$out/rank_slice_${v}_stock.json" "$out/rank_slice_${v}_hybrid.json" \
       "$out/rank_slice_${v}_hybrid-replicated.json" || status=1
   done
