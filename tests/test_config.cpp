@@ -526,8 +526,9 @@ TEST(ConfigInvalid, StrictTypesAndRanges) {
   }
 }
 
-// The kernels' environment knobs (core/env.h): a value in range is taken; unset, malformed or out of range
-// give the fallback, the last two with a warning naming the variable.
+// The kernels' environment knobs (core/env.h): a value in range (and on the step) is taken; unset,
+// malformed, out of range or between the steps give the fallback, all but unset with a warning naming the
+// variable.
 TEST(EnvInt, TakesInRangeIntegersAndWarnsOnAnythingElse) {
   const char* name = "K3_TEST_ENV_INT";
   ::unsetenv(name);
@@ -547,6 +548,21 @@ TEST(EnvInt, TakesInRangeIntegersAndWarnsOnAnythingElse) {
     const std::string err = testing::internal::GetCapturedStderr();
     EXPECT_NE(err.find(name), std::string::npos) << bad << ": " << err;
     EXPECT_NE(err.find("[1, 8]"), std::string::npos) << bad << ": " << err;
+  }
+  // With a step (K3_LINEAR_TC_WARPS: 4 or 8), a value in range between the steps warns too.
+  for (const auto& [value, want] : std::vector<std::pair<std::string, int64_t>>{{"4", 4}, {"8", 8}}) {
+    ::setenv(name, value.c_str(), 1);
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(k3::env_int(name, 4, 8, 8, 4), want) << value;
+    EXPECT_EQ(testing::internal::GetCapturedStderr(), "") << value;
+  }
+  for (const std::string bad : {"5", "6", "7", "0", "12"}) {
+    ::setenv(name, bad.c_str(), 1);
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(k3::env_int(name, 4, 8, 8, 4), 8) << bad;
+    const std::string err = testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find(name), std::string::npos) << bad << ": " << err;
+    EXPECT_NE(err.find("in steps of 4 from 4"), std::string::npos) << bad << ": " << err;
   }
   ::unsetenv(name);
 }

@@ -19,6 +19,8 @@
 // stays in L1. The warps' FP32 partials meet in shared memory and are summed in warp order, one fixed
 // order per output: the same bits on every run for a shape. The row tile is the fastest grid index (the
 // CTAs that read the same W rows run together); projection j's CTAs follow projection j - 1's in one grid.
+#include <type_traits>
+
 #include "core/env.h"
 #include "ops/cuda_bf16.cuh"
 #include "ops/cuda_device.cuh"
@@ -158,16 +160,17 @@ int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows
     return cudaErrorInvalidConfiguration;
   const auto blocks = static_cast<unsigned>(g.begin[n]);
   auto s = reinterpret_cast<cudaStream_t>(ctx.stream);
-  // Warps per CTA: kTcWarps, or K3_LINEAR_TC_WARPS in the environment (4: any value below 8; read once).
-  static const int warps = env_int("K3_LINEAR_TC_WARPS", 4, 8, kTcWarps) < 8 ? 4 : 8;
-  auto go = [&](auto kernel, int w) {
-    return detail::launch(kernel, blocks, w * kWarp, 0, s, x, x_ld, g, rows, in, row_tiles, add);
+  // Warps per CTA: kTcWarps, or K3_LINEAR_TC_WARPS=4|8 in the environment (read once).
+  static const int warps = static_cast<int>(env_int("K3_LINEAR_TC_WARPS", 4, 8, kTcWarps, 4));
+  auto go = [&](auto w) {
+    constexpr int W = decltype(w)::value;
+    auto launch = [&](auto kernel) {
+      return detail::launch(kernel, blocks, W * kWarp, 0, s, x, x_ld, g, rows, in, row_tiles, add);
+    };
+    return nt == 1 ? launch(linear_rows_tc_kernel<1, W>) : nt == 2 ? launch(linear_rows_tc_kernel<2, W>)
+                                                                    : launch(linear_rows_tc_kernel<4, W>);
   };
-  if (warps == 4)
-    return nt == 1 ? go(linear_rows_tc_kernel<1, 4>, 4) : nt == 2 ? go(linear_rows_tc_kernel<2, 4>, 4)
-                                                            : go(linear_rows_tc_kernel<4, 4>, 4);
-  return nt == 1 ? go(linear_rows_tc_kernel<1, 8>, 8) : nt == 2 ? go(linear_rows_tc_kernel<2, 8>, 8)
-                                                          : go(linear_rows_tc_kernel<4, 8>, 8);
+  return warps == 4 ? go(std::integral_constant<int, 4>{}) : go(std::integral_constant<int, 8>{});
 }
 
 }  // namespace k3::ops::cuda
