@@ -14,12 +14,13 @@
 # back). --bench-only skips the tests; K3_BENCH_VARIANTS (default "k3 k3.1")
 # picks the variants benched, so that one variant's three processes fit one
 # lent-machine call; K3_BENCH_MODES (default "stock hybrid hybrid-replicated")
-# the step modes and their order (each mode for every variant, then the next),
-# and K3_BENCH_DEADLINE (seconds from the
-# start of the bench, default none) skips a process that would start with less
-# than a minute left and stops the one running at the deadline, so that a
-# lent call ends with what it measured. Copy the JSON over docs/perf/rank_slice_{k3,k3.1}.json by
-# hand when the run becomes the current one (docs/PERF.md). Uses the binaries in $K3_BIN
+# the step modes and their order (each mode for every variant, then the next);
+# K3_BENCH_DEADLINE (seconds from the start of the bench, default none) skips a
+# process that would start with less than a minute left and stops the one
+# running at the deadline, so that a lent call ends with what it measured
+# (tests/gpu_test_bench_test.sh). Copy the JSON over
+# docs/perf/rank_slice_{k3,k3.1}.json by hand when the run becomes the current
+# one (docs/PERF.md). Uses the binaries in $K3_BIN
 # when given (carried from another machine, with the shared libraries they
 # need beside them), else builds (cmake -G Ninja, all cores).
 set -uo pipefail
@@ -34,6 +35,17 @@ for a in "$@"; do
     *) echo "usage: scripts/gpu-test.sh [--bench] [--history] [--bench-only] [--serve]" >&2; exit 2 ;;
   esac
 done
+# The bench's step modes, checked before anything runs.
+modes=(${K3_BENCH_MODES:-stock hybrid hybrid-replicated})
+for mode in "${modes[@]}"; do
+  case "$mode" in
+    stock|hybrid|hybrid-replicated) ;;
+    *) echo "K3_BENCH_MODES: unknown mode '$mode' (stock, hybrid, hybrid-replicated)" >&2; exit 2 ;;
+  esac
+done
+if ! [[ "${K3_BENCH_DEADLINE:-}" =~ ^[0-9]*$ ]]; then
+  echo "K3_BENCH_DEADLINE: '$K3_BENCH_DEADLINE' is not a number of seconds" >&2; exit 2
+fi
 out="${OUT:-out/gpu}"
 mkdir -p "$out"
 bin="${K3_BIN:-}"
@@ -95,7 +107,6 @@ if [ "$bench" = 1 ]; then
   # The three modes of the table: stock, hybrid (its default, TP-sharded shared experts) and the seed's
   # hybrid step (replicated shared experts).
   variants=(${K3_BENCH_VARIANTS:-k3 k3.1})
-  modes=(${K3_BENCH_MODES:-stock hybrid hybrid-replicated})
   t0=$(date +%s)
   for v in "${variants[@]}"; do  # no earlier run's points in this run's JSON
     rm -f "$out/rank_slice_${v}_stock.json" "$out/rank_slice_${v}_hybrid.json" "$out/rank_slice_${v}_hybrid-replicated.json"
