@@ -136,8 +136,13 @@ int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows
 // K3_LINEAR_TC_ROWS_MAX=0..64 in the environment, read once; 0: never), where it fits. One projection alone
 // stays on linear()'s paths, which are as fast or faster at every per-rank shape (docs/PERF.md).
 constexpr int64_t kLinearRowsTcMinRows = 3;
-constexpr int64_t kLinearRowsTcMaxRows = 0;
+constexpr int64_t kLinearRowsTcMaxRows = 8;
 int64_t linear_rows_tc_max_rows();
 bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n);
+// Its kernel issues each stage's weight loads one stage ahead of the mma on grids of at most
+// kLinearRowsTcPipeCtasPerSm CTAs per SM (linear_rows_tc_pipelined): there the few CTAs need the loads in
+// flight, and on larger grids the extra registers cost more CTAs per SM than they gain. Same bits either way.
+constexpr int64_t kLinearRowsTcPipeCtasPerSm = 2;
+bool linear_rows_tc_pipelined(int64_t ctas, int sms);
 
 }  // namespace k3::ops::cuda

@@ -9,11 +9,14 @@
 // o0 + g, of W row o0 + g + 8 and of x rows r0 + 8 n + g, all at k = 32 c + 8 t .. + 7, straight into
 // fragment registers: the mma sums over k in any order as long as A and B use the same one, so the lane's
 // 8 contiguous values serve as its k slots {2t, 2t+1, 2t+8, 2t+9} of two k16 steps (values 0-3 in the
-// first, 4-7 in the second) for both operands. No shared-memory staging and no conversions: per 16 bytes of
-// W a lane issues one load and one mma, where the CUDA-core rows kernel (linear.cu) converts and multiplies
-// every value once per row, which at 8 rows bounds it by instruction issue; and x is read once per 16
-// features (the rows kernel: once per 4). More than 8 NT rows: row tiles, each reading W again (from L2 when
-// its neighbours in the grid just did).
+// first, 4-7 in the second) for both operands. A warp holds kTcUnroll chunks of W in registers; on a grid of
+// at most kLinearRowsTcPipeCtasPerSm CTAs per SM (PIPE) it also has the next kTcUnroll in flight while it
+// multiplies, which takes more registers, so fewer CTAs fit an SM: on larger grids the CTAs an SM holds keep
+// enough loads in flight without it. No shared-memory staging and no conversions: per 16
+// bytes of W a lane issues one load and one mma, where the CUDA-core rows kernel (linear.cu) converts and
+// multiplies every value once per row, which at 8 rows bounds it by instruction issue; and x is read once
+// per 16 features (the rows kernel: once per 4). More than 8 NT rows: row tiles, each reading W again
+// (from L2 when its neighbours in the grid just did).
 //
 // W streams through L1 without allocating (ld.global.nc.L1::no_allocate), so x (small, read by every CTA)
 // stays in L1. The warps' FP32 partials meet in shared memory and are summed in warp order, one fixed
@@ -51,7 +54,7 @@ __device__ __forceinline__ uint4 ld_stream16(const bf16* p) {
   return v;
 }
 
-template <int NT, int WARPS>
+template <int NT, int WARPS, bool PIPE>
 __global__ void __launch_bounds__(WARPS * kWarp)
     linear_rows_tc_kernel(const bf16* __restrict__ x, int64_t x_ld, const __grid_constant__ GroupArgs g, int64_t rows,
                           int64_t in, int64_t row_tiles, bool add) {
@@ -77,17 +80,31 @@ __global__ void __launch_bounds__(WARPS * kWarp)
 
   float c[NT][4] = {};
   const int64_t kmax = in - 8 * t;  // the lane's piece of chunk ch is valid when 32 ch < kmax (in % 8 == 0)
-  for (int64_t c0 = warp; c0 * kTcChunk < in; c0 += WARPS * kTcUnroll) {
-    uint4 a[kTcUnroll], a8[kTcUnroll], bx[kTcUnroll][NT];
+  // The weights of kTcUnroll chunks from chunk c0 on (zeros past `in`): with PIPE issued one stage ahead of
+  // their mma, else at the start of their own stage.
+  auto load_w = [&](int64_t c0, uint4(&pa)[kTcUnroll], uint4(&pb)[kTcUnroll]) {
 #pragma unroll
     for (int u = 0; u < kTcUnroll; ++u) {
       const int64_t k = (c0 + u * WARPS) * kTcChunk;
       const bool valid = k < kmax;
-      a[u] = valid ? ld_stream16(wa + k) : make_uint4(0, 0, 0, 0);
-      a8[u] = valid ? ld_stream16(wb + k) : make_uint4(0, 0, 0, 0);
+      pa[u] = valid ? ld_stream16(wa + k) : make_uint4(0, 0, 0, 0);
+      pb[u] = valid ? ld_stream16(wb + k) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  uint4 a[kTcUnroll], a8[kTcUnroll];
+  if constexpr (PIPE) load_w(warp, a, a8);
+  for (int64_t c0 = warp; c0 * kTcChunk < in; c0 += WARPS * kTcUnroll) {
+    uint4 na[kTcUnroll], na8[kTcUnroll], bx[kTcUnroll][NT];
+    if constexpr (PIPE)
+      load_w(c0 + WARPS * kTcUnroll, na, na8);
+    else
+      load_w(c0, a, a8);
+#pragma unroll
+    for (int u = 0; u < kTcUnroll; ++u) {
+      const int64_t k = (c0 + u * WARPS) * kTcChunk;
 #pragma unroll
       for (int n = 0; n < NT; ++n)
-        bx[u][n] = valid && has_row[n] ? __ldg(reinterpret_cast<const uint4*>(xr[n] + k)) : make_uint4(0, 0, 0, 0);
+        bx[u][n] = k < kmax && has_row[n] ? __ldg(reinterpret_cast<const uint4*>(xr[n] + k)) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < kTcUnroll; ++u) {
@@ -95,6 +112,10 @@ __global__ void __launch_bounds__(WARPS * kWarp)
       for (int n = 0; n < NT; ++n) {
         mma_bf16_16816(c[n], a[u].x, a8[u].x, a[u].y, a8[u].y, bx[u][n].x, bx[u][n].y);
         mma_bf16_16816(c[n], a[u].z, a8[u].z, a[u].w, a8[u].w, bx[u][n].z, bx[u][n].w);
+      }
+      if constexpr (PIPE) {
+        a[u] = na[u];
+        a8[u] = na8[u];
       }
     }
   }
@@ -131,6 +152,8 @@ int64_t linear_rows_tc_max_rows() {
   return max_rows;
 }
 
+bool linear_rows_tc_pipelined(int64_t ctas, int sms) { return ctas <= kLinearRowsTcPipeCtasPerSm * int64_t{sms}; }
+
 bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n) {
   return n >= 2 && rows >= kLinearRowsTcMinRows && rows > linear_rows_kernel_max_rows() &&
          rows <= linear_rows_tc_max_rows() && linear_rows_tc_fits(x, x_ld, in, outs, n);
@@ -162,15 +185,21 @@ int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows
   auto s = reinterpret_cast<cudaStream_t>(ctx.stream);
   // Warps per CTA: kTcWarps, or K3_LINEAR_TC_WARPS=4|8 in the environment (read once).
   static const int warps = static_cast<int>(env_int("K3_LINEAR_TC_WARPS", 4, 8, kTcWarps, 4));
-  auto go = [&](auto w) {
+  // The loads one stage ahead (more registers) on grids too small to fill the GPU without them.
+  const bool pipe = linear_rows_tc_pipelined(blocks, ctx.sm_count > 0 ? ctx.sm_count : detail::device_sm_count());
+  auto go = [&](auto w, auto p) {
     constexpr int W = decltype(w)::value;
+    constexpr bool P = decltype(p)::value;
     auto launch = [&](auto kernel) {
       return detail::launch(kernel, blocks, W * kWarp, 0, s, x, x_ld, g, rows, in, row_tiles, add);
     };
-    return nt == 1 ? launch(linear_rows_tc_kernel<1, W>) : nt == 2 ? launch(linear_rows_tc_kernel<2, W>)
-                                                                    : launch(linear_rows_tc_kernel<4, W>);
+    return nt == 1 ? launch(linear_rows_tc_kernel<1, W, P>) : nt == 2 ? launch(linear_rows_tc_kernel<2, W, P>)
+                                                                       : launch(linear_rows_tc_kernel<4, W, P>);
   };
-  return warps == 4 ? go(std::integral_constant<int, 4>{}) : go(std::integral_constant<int, 8>{});
+  auto by_warps = [&](auto p) {
+    return warps == 4 ? go(std::integral_constant<int, 4>{}, p) : go(std::integral_constant<int, 8>{}, p);
+  };
+  return pipe ? by_warps(std::true_type{}) : by_warps(std::false_type{});
 }
 
 }  // namespace k3::ops::cuda

@@ -559,6 +559,19 @@ TEST(CudaLinearRowsTc, MatchesFloat64OnK3PerRankShapes) {
   check_linear_rows_tc({{7168, false}}, 3584, {8}, 5800);
 }
 
+// Both forms of the kernel, whatever the GPU's SM count: a grid far above kLinearRowsTcPipeCtasPerSm CTAs per SM
+// (loads within their stage) and one of a few CTAs (loads one stage ahead), odd rows and a k tail.
+TEST(CudaLinearRowsTc, MatchesFloat64WithAndWithoutLoadsAhead) {
+  K3_REQUIRE_GPU();
+  const int sms = ctx().sm_count;
+  ASSERT_GT(sms, 0);
+  const int64_t big = 16 * (ops::cuda::kLinearRowsTcPipeCtasPerSm + 1) * sms;  // features: 16 per CTA
+  ASSERT_FALSE(ops::cuda::linear_rows_tc_pipelined(big / 16, sms));
+  ASSERT_TRUE(ops::cuda::linear_rows_tc_pipelined(3, sms));
+  check_linear_rows_tc({{big / 2 + 5, false}, {big / 2, true}}, 1064, {3, 8}, 5900);
+  check_linear_rows_tc({{40, false}, {9, true}}, 1064, {3, 8}, 6000);
+}
+
 TEST(CudaLinearRowsTc, TakesOnlyWhatItFits) {
   K3_REQUIRE_GPU();
   DeviceBuffer dx(4 * 64 * 2 + 16), dw(64 * 16 * 2 + 16), dy(4 * 16 * 4);
@@ -627,6 +640,11 @@ TEST(CudaLinearGroup, TakesTheRowsAndGroupsItWasMeasuredToWin) {
     EXPECT_FALSE(ops::cuda::linear_rows_tc_fits(x, 7172, 7168, g->data(), n));  // x_ld % 8 != 0
   }
   for (int64_t rows = 1; rows <= 64; ++rows) EXPECT_FALSE(tc(rows, one)) << rows;
+  // Loads one stage ahead where that was measured to win alone (bench --ops linear, H100, 132 SMs, 8 rows):
+  // MLA's group (228 CTAs) and the sliced router + latent down (84) and the TP shared experts' gate/up (96);
+  // not the router + latent down (280), DSA's q_b + wq_b (400) or the dense MLP's gate/up (528).
+  for (const int64_t ctas : {84, 96, 228}) EXPECT_TRUE(ops::cuda::linear_rows_tc_pipelined(ctas, 132)) << ctas;
+  for (const int64_t ctas : {280, 400, 528}) EXPECT_FALSE(ops::cuda::linear_rows_tc_pipelined(ctas, 132)) << ctas;
 }
 
 TEST(CudaLinearGroup, RejectsBadGroups) {
