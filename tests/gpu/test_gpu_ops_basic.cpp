@@ -559,7 +559,7 @@ TEST(CudaLinearRowsTc, MatchesFloat64OnK3PerRankShapes) {
   check_linear_rows_tc({{7168, false}}, 3584, {8}, 5800);
 }
 
-// Both forms of the kernel, whatever the GPU's SM count: a grid far above kLinearRowsTcPipeCtasPerSm CTAs per SM
+// Both forms of the kernel, whatever the GPU's SM count: a grid above kLinearRowsTcPipeCtasPerSm CTAs per SM
 // (loads within their stage) and one of a few CTAs (loads one stage ahead), odd rows and a k tail.
 TEST(CudaLinearRowsTc, MatchesFloat64WithAndWithoutLoadsAhead) {
   K3_REQUIRE_GPU();
