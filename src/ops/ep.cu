@@ -8,13 +8,16 @@
 //   assemble:   one CTA per received slot concatenates the members' slices;
 //   return:     one CTA per received slot copies the expert output to its owner's row;
 //   combine:    one thread per output element, the row's k pairs in order with
-//               __fmul_rn / __fadd_rn (no contraction: the CPU sums exactly).
+//               __fmul_rn / __fadd_rn (no contraction: the CPU sums exactly); with a
+//               RowNorm, one CTA per row of 8-value chunks that then applies the
+//               latent RMSNorm (rmsnorm.cuh).
 #include <algorithm>
 
 #include "core/cuda.h"
 #include "ops/cuda_bf16.cuh"
 #include "ops/cuda_device.cuh"
 #include "ops/ep.h"
+#include "ops/rmsnorm.cuh"
 
 namespace k3::ops::cuda {
 namespace {
@@ -156,6 +159,34 @@ __global__ void ep_combine_kernel(const bf16* __restrict__ back, const int32_t* 
   }
 }
 
+// ep_combine_kernel's sums, then RMSNorm (norm_w [L]): one CTA of norm_threads(L / 8) per row, each thread the
+// 8-value chunks rmsnorm_kernel would give it, so the bits are those of the two kernels.
+__global__ void __launch_bounds__(detail::kNormMaxThreads)
+    ep_combine_norm_kernel(const bf16* __restrict__ back, const int32_t* __restrict__ slot,
+                           const float* __restrict__ w, int k, int64_t L, bf16* y, const bf16* __restrict__ norm_w,
+                           float eps) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
+  __shared__ float red[kWarp];
+  const int64_t r = blockIdx.x, chunks = L / 8;
+  bf16* yr = y + r * L;
+  float ss = 0.f;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < k; ++j) {
+      const int32_t s = slot[r * k + j];
+      if (s < 0) continue;
+      const float wj = w[r * k + j];
+      float v[8];
+      detail::load_bf16<8>(back + int64_t{s} * L + c * 8, v);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(wj, v[u]));
+    }
+    detail::norm_row_store<8>(yr, c, acc, ss);
+  }
+  detail::rmsnorm_row_apply<bf16, 8>(yr, norm_w, yr, L, eps, ss, red);
+}
+
 // Threads for a row of `chunks` vectors: whole warps, 32..256.
 unsigned row_threads(int64_t chunks) {
   return static_cast<unsigned>(std::clamp<int64_t>((chunks + kWarp - 1) / kWarp * kWarp, kWarp, 256));
@@ -202,9 +233,17 @@ int ep_return(const bf16* out, const int32_t* ids, const int32_t* codes, const E
 }
 
 int ep_combine(const bf16* back, const int32_t* slot, const float* w, int64_t rows, int k, int64_t L, bf16* y,
-               CUstream_st* stream) {
-  if (rows < 0 || k < 1 || L < 1) return cudaErrorInvalidValue;
+               CUstream_st* stream, const RowNorm& norm) {
+  if (rows < 0 || k < 1 || L < 1 || rows > 0x7fffffff) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
+  if (norm.w != nullptr) {
+    if (L % 8 == 0 && aligned16(back) && aligned16(y) && aligned16(norm.w))
+      return detail::launch(ep_combine_norm_kernel, static_cast<unsigned>(rows), detail::norm_threads(L / 8), 0,
+                            stream, back, slot, w, k, L, y, norm.w, norm.eps);
+    // Rows that do not split into 16-byte chunks: the two kernels.
+    if (const int e = ep_combine(back, slot, w, rows, k, L, y, stream); e != 0) return e;
+    return rmsnorm(y, norm.w, y, rows, L, norm.eps, stream);
+  }
   constexpr int kThreads = 256;
   const auto grid = static_cast<unsigned>(std::min<int64_t>((rows * L + kThreads - 1) / kThreads, 8192));
   return detail::launch(ep_combine_kernel, grid, kThreads, 0, stream, back, slot, w, rows, k, L, y);

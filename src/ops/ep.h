@@ -44,6 +44,7 @@
 
 #include "core/bf16.h"
 #include "ops/cuda_context.h"
+#include "ops/rmsnorm.h"
 
 namespace k3::ops {
 
@@ -90,7 +91,9 @@ int ep_assemble(const bf16* recv, const int32_t* recv_meta, const EpShard& s, bf
                 CUstream_st* stream);
 int ep_return(const bf16* out, const int32_t* ids, const int32_t* codes, const EpShard& s, bf16* back,
               CUstream_st* stream);
+// ep_combine with norm.w != nullptr: y = RMSNorm(that y; norm.w [L], norm.eps) (the latent norm), the bits of
+// a separate rmsnorm on it.
 int ep_combine(const bf16* back, const int32_t* slot, const float* w, int64_t rows, int k, int64_t L, bf16* y,
-               CUstream_st* stream);
+               CUstream_st* stream, const RowNorm& norm = {});
 
 }  // namespace k3::ops::cuda

@@ -15,6 +15,7 @@
 
 #include "core/bf16.h"
 #include "ops/cuda_context.h"
+#include "ops/rmsnorm.h"
 
 namespace k3::ops {
 
@@ -104,6 +105,8 @@ inline size_t moe_experts_scratch_bytes(int64_t rows, int k, int64_t L, int64_t 
 // FP32 (the CPU moe_ffn's combine);
 // every expert output is the CPU expert_mlp's (BF16). Rows with no local expert get 0. L, I multiples of 32;
 // expert_count <= kMoeMaxLocalExperts; scratch: moe_experts_scratch_bytes(rows, k, L, I), 16-byte aligned.
+// norm.w != nullptr: y = RMSNorm(that y; norm.w [L], norm.eps) in the combine (the latent norm), the bits of
+// a separate rmsnorm on it.
 constexpr int kMoeMaxLocalExperts = 6144;
 // The up and down GEMMs run the warp-specialized wgmma kernel (moe_experts_wg.cu, a prototype) when L and I
 // are multiples of 64 and either K3_MOE_WG=1 was in the environment at the first call or this set it
@@ -116,6 +119,6 @@ void moe_experts_force_wg(bool on);
 void moe_experts_force_team(int choice);
 int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const float* w, const Mxfp4ExpertTable& experts,
                 int expert_begin, int expert_count, bf16* y, void* scratch, int64_t rows, int k, int64_t L, int64_t I,
-                SituParams p);
+                SituParams p, const RowNorm& norm = {});
 
 }  // namespace k3::ops::cuda

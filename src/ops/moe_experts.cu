@@ -6,7 +6,8 @@
 //   up:      tensor cores (mma.sync m16n8k16, BF16 in, FP32 accumulate): per (slot, 16 rows of I),
 //            h[pair] = bf16(situ(bf16(W1 z), bf16(W3 z))) for the slot's pairs, 8 pairs per token tile;
 //   down:    per (slot, 32 rows of L): o[pair] = bf16(W2 h[pair]);
-//   combine: y[r, i] = bf16(sum_j w[r, j] o[(r, j), i]) over the local j in order, unfused FP32 as the CPU.
+//   combine: y[r, i] = bf16(sum_j w[r, j] o[(r, j), i]) over the local j in order, unfused FP32 as the CPU
+//            (with a RowNorm: one CTA per row that then applies the latent RMSNorm, rmsnorm.cuh).
 // W4A16: each lane loads 16 packed bytes (one 32-value scale group) of a weight row per 128-value
 // chunk and dequantizes them exactly to BF16 in registers (two E2M1 values per lookup in a 64 KiB
 // shared-memory table, one byte permute and one load per lookup, times the E8M0 power of two: exact;
@@ -35,6 +36,7 @@
 #include "ops/moe.h"
 #include "ops/moe_device.cuh"
 #include "ops/moe_experts.cuh"
+#include "ops/rmsnorm.cuh"
 
 namespace k3::ops::cuda {
 namespace {
@@ -647,6 +649,35 @@ __global__ void moe_combine_kernel(const bf16* __restrict__ o, const int32_t* __
   }
 }
 
+// The combine followed by the latent RMSNorm (norm_w [L]): one CTA of norm_threads(L / 8) per row, each
+// thread the 8-value chunks rmsnorm_kernel would give it, so the bits are those of the two kernels.
+__global__ void __launch_bounds__(detail::kNormMaxThreads)
+    moe_combine_norm_kernel(const bf16* __restrict__ o, const int32_t* __restrict__ idx, const float* __restrict__ w,
+                            int expert_begin, int expert_count, bf16* y, int k, int64_t L,
+                            const bf16* __restrict__ norm_w, float eps) {
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
+  __shared__ float red[detail::kWarp];
+  const int64_t r = blockIdx.x, chunks = L / 8;
+  bf16* yr = y + r * L;
+  float ss = 0.f;
+  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < k; ++j) {
+      const int64_t pair = r * k + j;
+      const int64_t e = static_cast<int64_t>(idx[pair]) - expert_begin;
+      if (e < 0 || e >= expert_count) continue;
+      const float wj = w[pair];
+      float v[8];
+      detail::load_bf16<8>(o + pair * L + c * 8, v);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(wj, v[u]));
+    }
+    detail::norm_row_store<8>(yr, c, acc, ss);
+  }
+  detail::rmsnorm_row_apply<bf16, 8>(yr, norm_w, yr, L, eps, ss, red);
+}
+
 
 unsigned grid_for(int64_t threads_needed, int threads_per_block, int cap_blocks) {
   const int64_t b = (threads_needed + threads_per_block - 1) / threads_per_block;
@@ -667,12 +698,13 @@ void moe_experts_force_team(int choice) {
 
 int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const float* w, const Mxfp4ExpertTable& experts,
                 int expert_begin, int expert_count, bf16* y, void* scratch, int64_t rows, int k, int64_t L, int64_t I,
-                SituParams p) {
+                SituParams p, const RowNorm& norm) {
   if (rows < 0 || k <= 0 || L <= 0 || I <= 0 || L % 32 != 0 || I % 32 != 0) return cudaErrorInvalidValue;
   if (expert_count < 0 || expert_count > kMoeMaxLocalExperts) return cudaErrorInvalidValue;
   if (rows * k > 0x7fffffff) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if (!aligned16(z) || !aligned16(y) || !aligned16(scratch)) return cudaErrorMisalignedAddress;
+  if (norm.w != nullptr && !aligned16(norm.w)) return cudaErrorMisalignedAddress;
   const cudaStream_t s = ctx.stream;
   const int64_t pairs = rows * k;
   const size_t meta_bytes = (static_cast<size_t>(4 * (kPlanHeader + kPlanArrays * pairs)) + 255) / 256 * 256;
@@ -700,6 +732,9 @@ int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const flo
     if (const int e = launch_mma_nt<true>(nt, z, plan, experts, h, k, L, I, max_slots, pairs, p, sms, s); e != 0) return e;
     if (const int e = launch_mma_nt<false>(nt, h, plan, experts, o, k, I, L, max_slots, pairs, p, sms, s); e != 0) return e;
   }
+  if (norm.w != nullptr)
+    return detail::launch(moe_combine_norm_kernel, static_cast<unsigned>(rows), detail::norm_threads(L / 8), 0, s, o,
+                          idx, w, expert_begin, expert_count, y, k, L, norm.w, norm.eps);
   return detail::launch(moe_combine_kernel, grid_for(rows * L / 8, 256, 8 * sms), 256, 0, s, o, idx, w, expert_begin,
                         expert_count, y, rows, k, L);
 }

@@ -1,36 +1,22 @@
 // CUDA RMSNorm and LayerNorm (math in rmsnorm.h). One CTA per row; each thread owns the same
 // chunks of the row (8 bf16 = one 16-byte vector when dim % 8 == 0 and the pointers are aligned,
 // else single elements) in every pass, so out may alias x. Sums are FP32 block reductions; the
-// roundings are the CPU's: bf16(x * inv) before the weight, bf16 of the result.
+// roundings are the CPU's: bf16(x * inv) before the weight, bf16 of the result. RMSNorm's row pass
+// lives in rmsnorm.cuh, shared with the kernels that end in it (RowNorm).
 #include <algorithm>
 
 #include "ops/cuda_bf16.cuh"
 #include "ops/cuda_device.cuh"
+#include "ops/rmsnorm.cuh"
 #include "ops/rmsnorm.h"
 
 namespace k3::ops::cuda {
 namespace {
 
 using detail::aligned16;
+using detail::kNormMaxThreads;
 using detail::kWarp;
-
-constexpr int kNormMaxThreads = 256;
-
-using detail::round_bf16_dev;
-
-template <int VEC>
-__device__ __forceinline__ void load_weight(const bf16* w, float (&f)[VEC]) {
-  detail::load_bf16<VEC>(w, f);
-}
-template <int VEC>
-__device__ __forceinline__ void load_weight(const float* w, float (&f)[VEC]) {
-  if constexpr (VEC == 8) {
-    const float4 a = *reinterpret_cast<const float4*>(w), b = *reinterpret_cast<const float4*>(w + 4);
-    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
-  } else {
-    f[0] = *w;
-  }
-}
+using detail::norm_threads;
 
 template <typename W, int VEC>
 __global__ void __launch_bounds__(kNormMaxThreads)
@@ -45,19 +31,9 @@ __global__ void __launch_bounds__(kNormMaxThreads)
   for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
     float v[VEC];
     detail::load_bf16<VEC>(xr + c * VEC, v);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) ss = fmaf(v[i], v[i], ss);
+    detail::norm_square_sum<VEC>(v, ss);
   }
-  ss = detail::block_sum(ss, red);
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
-  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-    float v[VEC], wv[VEC];
-    detail::load_bf16<VEC>(xr + c * VEC, v);
-    load_weight<VEC>(w + c * VEC, wv);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) v[i] = wv[i] * round_bf16_dev(v[i] * inv);
-    detail::store_bf16<VEC>(yr + c * VEC, v);
-  }
+  detail::rmsnorm_row_apply<W, VEC>(xr, w, yr, dim, eps, ss, red);
 }
 
 template <int VEC>
@@ -100,12 +76,6 @@ __global__ void __launch_bounds__(kNormMaxThreads)
     for (int i = 0; i < VEC; ++i) v[i] = __fadd_rn(__fmul_rn(wv[i], __fmul_rn(__fsub_rn(v[i], mu), inv)), bv[i]);
     detail::store_bf16<VEC>(yr + c * VEC, v);
   }
-}
-
-// Threads per row: enough warps for the row's chunks, at most kNormMaxThreads.
-unsigned norm_threads(int64_t chunks) {
-  const int64_t t = std::min<int64_t>(kNormMaxThreads, (chunks + kWarp - 1) / kWarp * kWarp);
-  return static_cast<unsigned>(std::max<int64_t>(t, kWarp));
 }
 
 bool bad_shape(int64_t rows, int64_t dim) { return rows < 0 || dim <= 0 || rows > 0x7fffffff; }

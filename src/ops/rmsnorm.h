@@ -24,6 +24,13 @@ void layernorm(const float* x, const bf16* w, const bf16* b, float* out, int64_t
 
 namespace k3::ops::cuda {
 
+// An RMSNorm that a kernel producing rows applies before it stores them: out = rmsnorm(bf16 row; w, eps),
+// the bits a separate rmsnorm call on the stored row would give. w == nullptr: no norm.
+struct RowNorm {
+  const bf16* w = nullptr;  // [dim] BF16
+  float eps = 0.f;
+};
+
 // x, out [rows, dim] BF16 (out may alias x), w [dim] BF16: out = bf16(w * bf16(x / sqrt(mean(x^2) + eps))).
 int rmsnorm(const bf16* x, const bf16* w, bf16* out, int64_t rows, int64_t dim, float eps, CUstream_st* stream);
 // The same with w [dim] F32.

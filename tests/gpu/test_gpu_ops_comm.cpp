@@ -204,6 +204,24 @@ TEST_P(EpCuda, PackAssembleReturnCombineMatchCpu) {
       worst = std::max(worst, std::fabs(want - y[r * c.L + i]) / (1e-3 + std::fabs(want)));
     }
   EXPECT_LT(worst, 1e-2) << "combine vs the direct weighted sum";
+  if (own == 0) return;
+  // The combine with the latent norm folded in: the bits of the combine followed by cuda::rmsnorm (whole
+  // 16-byte chunks: one kernel; L = 30: the two kernels), and the CPU rmsnorm of the CPU combine within the
+  // two roundings the norm's FP32 sum order can move.
+  const auto gamma = gputest::random_bf16_values(static_cast<size_t>(c.L), 13 + c.L);
+  const float eps = 1e-5f;
+  DeviceBuffer d_gamma = upload(to_bf16_vec(gamma)), d_yn(own * c.L * 2 + 2);
+  K3_CU(ops::cuda::ep_combine(d_back.get<bf16>(), d_slot.get<int32_t>(), d_w.get<float>() + own0 * c.k, own, c.k, c.L,
+                              d_yn.get<bf16>(), s, {d_gamma.get<bf16>(), eps}));
+  K3_CU(ops::cuda::rmsnorm(d_y.get<bf16>(), d_gamma.get<bf16>(), d_y.get<bf16>(), own, c.L, eps, s));
+  const auto fused = to_float_vec(download<bf16>(d_yn, own * c.L));
+  EXPECT_EQ(fused, to_float_vec(download<bf16>(d_y, own * c.L))) << "combine + norm vs combine, then rmsnorm";
+  std::vector<float> yn(y.size());
+  ops::rmsnorm(y.data(), to_bf16_vec(gamma).data(), yn.data(), own, c.L, eps);
+  double worst_norm = 0;
+  for (size_t i = 0; i < yn.size(); ++i)
+    worst_norm = std::max(worst_norm, std::fabs(double(fused[i]) - yn[i]) / (1e-6 + std::fabs(double(yn[i]))));
+  EXPECT_LE(worst_norm, 1.0 / 64) << "combine + norm vs the CPU rmsnorm of the CPU combine";
 }
 
 // {rows, k, L, W, experts per rank, Gs, t, spare}: whole rows (Gs 1) and slices, odd sizes, a member past the

@@ -19,6 +19,7 @@
 #include "core/mxfp4.h"
 #include "gpu_test_util.h"
 #include "ops/moe.h"
+#include "ops/rmsnorm.h"
 #include "ops/router.h"
 
 namespace k3 {
@@ -362,6 +363,25 @@ void check_moe_experts(const MoeCase& c, uint64_t seed) {
   if (empty_row0) {
     for (int64_t i = 0; i < c.L; ++i) ASSERT_EQ(got[i], 0.f) << "row 0 has no local expert";
   }
+  // The latent norm folded into the combine: the bits of moe_experts followed by cuda::rmsnorm, and the CPU
+  // rmsnorm of the (checked) GPU sums within the two roundings the norm's FP32 sum order can move. Row 0
+  // with no local expert is all zeros: the norm keeps it 0 (eps > 0).
+  const auto gamma = gputest::random_bf16_values(static_cast<size_t>(c.L), seed + 7);
+  const float eps = 1e-5f;
+  DeviceBuffer dgamma = upload_bf16(gamma), dyn(want.size() * 2);
+  ASSERT_EQ(ops::cuda::moe_experts(ctx(), dz.get<bf16>(), didx.get<int32_t>(), dw.get<float>(), ex, c.expert_begin,
+                                   c.expert_count, dyn.get<bf16>(), dscr.get(), c.rows, c.k, c.L, c.I, kSitu,
+                                   {dgamma.get<bf16>(), eps}),
+            0);
+  ASSERT_EQ(ops::cuda::rmsnorm(dy.get<bf16>(), dgamma.get<bf16>(), dy.get<bf16>(), c.rows, c.L, eps, ctx().stream), 0);
+  const auto fused = download_bf16(dyn, want.size());
+  EXPECT_EQ(fused, download_bf16(dy, want.size())) << "moe_experts + norm vs moe_experts, then rmsnorm";
+  std::vector<float> yn(got.size());
+  ops::rmsnorm(got.data(), to_bf16_vec(gamma).data(), yn.data(), c.rows, c.L, eps);
+  double worst = 0;
+  for (size_t i = 0; i < yn.size(); ++i)
+    worst = std::max(worst, std::fabs(double(fused[i]) - yn[i]) / (1e-6 + std::fabs(double(yn[i]))));
+  EXPECT_LE(worst, 1.0 / 64) << "moe_experts + norm vs the CPU rmsnorm of its sums";
 }
 
 TEST(CudaMoe, MoeExpertsMatchesCpuSmall) {

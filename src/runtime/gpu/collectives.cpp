@@ -86,11 +86,6 @@ void GpuCollectives::ep_loopback_dispatch(const bf16* z, bf16* exchange, int64_t
   replicate_rows(exchange, std::min(n_in, n_out), n_out, 1);
 }
 
-void GpuCollectives::ep_loopback_combine(const bf16* got, bf16* y, int64_t rows, int64_t L) {
-  K3_CHECK(mode_ == Mode::Loopback, "internal: the loopback EP exchange outside loopback mode");
-  CUDA_CHECK(cudaMemcpyAsync(y, got, rows * L * 2, cudaMemcpyDeviceToDevice, stream_));
-}
-
 void GpuCollectives::dcp_all_gather(const void* send, void* recv, int64_t count, DType dt) {
   K3_CHECK(real(), "internal: dcp collectives need real collectives");
   groups_->dcp->all_gather(send, recv, count, dt);

@@ -48,12 +48,11 @@ class GpuCollectives {
   // Vocab all-gather of the lm_head: slices F32 [G, m, Vl] with this rank's slice at index t (in place),
   // -> logits [m, G Vl] (loopback: this rank's slice in every column block).
   void vocab_all_gather(float* slices, int64_t m, int64_t Vl, float* logits);
-  // Loopback's EP exchange (the rank-slice benchmark): the dispatch sends the n_in latent elements of z
-  // out (whole rows, or this member's columns of the group's rows) and receives n_out elements of latent
-  // rows (this rank's own latents standing in for its peers') into exchange; the combine brings the first
-  // `rows` expert outputs of got back into y [rows, L].
+  // Loopback's EP dispatch (the rank-slice benchmark): sends the n_in latent elements of z out (whole rows,
+  // or this member's columns of the group's rows) and receives n_out elements of latent rows (this rank's
+  // own latents standing in for its peers') into exchange. (The combine's stand-in, the latent norm from the
+  // received rows into y, is GpuRank::moe's.)
   void ep_loopback_dispatch(const bf16* z, bf16* exchange, int64_t n_in, int64_t n_out);
-  void ep_loopback_combine(const bf16* got, bf16* y, int64_t rows, int64_t L);
   // Real mode only: the DCP group's all_gather / equal-count all-to-all and the world's (EP) equal-count
   // all-to-all; count = elements per member.
   void dcp_all_gather(const void* send, void* recv, int64_t count, DType dt);

@@ -3,7 +3,8 @@
 //   router logits (FP32) and z = W_down x (one projection group) -> biased top-k, renormalised weights
 //   -> the routed experts (local, loopback, or the EP exchange over the world; with the latent down
 //      TP-sharded, every member routes all m rows and sends its columns of z, ops/ep.h)
-//   -> y = RMSNorm(sum) -> shared(x), then W_up y added into it (linear_add); dense: the SiTU-GLU MLP.
+//   -> y = RMSNorm(sum) (in the combine's kernel) -> shared(x), then W_up y added into it (linear_add);
+//   dense: the SiTU-GLU MLP.
 #include "ops/elementwise.h"
 #include "ops/ep.h"
 #include "ops/linear.h"
@@ -38,6 +39,7 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, 
   bf16* out = act(outa) + (with_shared ? 0 : row0 * D);
   Carve scratch = layer_scratch();
   const MoeScratch m = carve_moe(scratch, c_, dims_, routed);
+  const cu::RowNorm norm{w.norm, c_.rms_norm_eps};  // the latent norm, applied by each combine
   mark("moe.router_down");
   if (routed > 0) {
     // The router logits (FP32) and the latent down projection read the same rows: one group.
@@ -49,28 +51,28 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, 
   const int count = static_cast<int>(w.experts.size());
   mark("moe.experts");
   if (coll_.real()) {
-    ep_experts(l, m, routed, own0, real);
+    ep_experts(l, m, routed, own0, real, norm);
     if (real == 0) return;
   } else if (!o_.loopback) {
     K3_CHECK(!sliced, "internal: a sliced latent down needs the EP exchange");
     K3_LAUNCH(cu::moe_experts(ctx_, m.z, m.idx, m.wts, weights_.tables[l], w.expert_begin, count, m.y, m.experts,
-                              real, k, L, I, situ));
+                              real, k, L, I, situ, norm));
   } else {
     // EP over W ranks: this rank sends its real * k pairs (sliced: the Ll columns of the group's m k pairs,
     // about as many bytes) and receives, on average, the pairs of the world's real rows that chose its
     // experts: recv = ceil(m DP k / W) = ceil(m k / G). The loopback computes exactly that many pairs on its
     // local experts (router choices folded into the local range) and moves the latent rows of the dispatch
-    // and the combine (not the sliced exchange's joining and return copies, 2 recv L elements).
+    // and the combine (not the sliced exchange's joining and return copies, 2 recv L elements); the combine's
+    // stand-in is the latent norm from the received rows into y.
     const int64_t all = int64_t{B_} * q_, recv = std::min<int64_t>(real * k, (all * k + G_ - 1) / G_);
     coll_.ep_loopback_dispatch(m.z, m.exchange, routed * Ll, real * k * L);
     K3_LAUNCH(cu::remap_experts(m.idx, recv, w.expert_begin, count, s));
     bf16* got = m.exchange + routed * k * L;  // the received pairs' outputs
     K3_LAUNCH(cu::moe_experts(ctx_, m.exchange, m.idx, m.wts, weights_.tables[l], w.expert_begin, count, got,
                               m.experts, recv, 1, L, I, situ));
-    coll_.ep_loopback_combine(got, m.y, real, L);
+    K3_LAUNCH(cu::rmsnorm(got, norm.w, m.y, real, L, norm.eps, s));
   }
   mark("moe.norm_up");
-  K3_LAUNCH(cu::rmsnorm(m.y, w.norm, m.y, real, L, c_.rms_norm_eps, s));
   // The shared experts' output first (with_shared = false: their TP partial sum is already in out, shared_mlp),
   // then W_up y added into it in the projection's epilogue.
   if (with_shared) {
@@ -86,7 +88,8 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, 
 // joins a pair's slices (Gs > 1) and runs its experts on what it received (k = 1, weight 1; padding slots
 // carry id -1 and are skipped), all-to-all back to the members owning the rows, and the combine of the own
 // rows [own0, own0 + real) in each row's chosen order: y [real, L].
-void GpuRank::ep_experts(int l, const MoeScratch& m, int64_t routed, int64_t own0, int64_t real) {
+void GpuRank::ep_experts(int l, const MoeScratch& m, int64_t routed, int64_t own0, int64_t real,
+                         const ops::cuda::RowNorm& norm) {
   const MoeWeights& w = weights_.w.layers[l].moe;
   const auto& e = c_.moe;
   auto* s = ctx_.stream;
@@ -127,7 +130,7 @@ void GpuRank::ep_experts(int l, const MoeScratch& m, int64_t routed, int64_t own
     coll_.world_all_to_all(m.out, m.send, cap * L, DType::BF16);
   }
   mark("moe.combine");
-  K3_LAUNCH(cu::ep_combine(m.send, m.slot, m.wts + own0 * k, real, k, L, m.y, s));
+  K3_LAUNCH(cu::ep_combine(m.send, m.slot, m.wts + own0 * k, real, k, L, m.y, s, norm));
 }
 
 void GpuRank::shared_mlp(int l, Act x, int64_t rows, Act out) {

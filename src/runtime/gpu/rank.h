@@ -39,6 +39,7 @@
 #include "config/model_config.h"
 #include "core/cuda.h"
 #include "ops/cuda_context.h"
+#include "ops/rmsnorm.h"
 #include "ops/sampling.h"
 #include "runtime/gpu/caches.h"
 #include "runtime/gpu/collectives.h"
@@ -118,7 +119,8 @@ class GpuRank final : private StepBackend {
   Carve layer_scratch() { return Carve(work_.get<char>(), layer_bytes_); }
   void kda(int l, const bf16* x, bf16* out);
   void mla(int l, const bf16* x, bf16* out);
-  void ep_experts(int l, const MoeScratch& m, int64_t routed, int64_t own0, int64_t real);
+  void ep_experts(int l, const MoeScratch& m, int64_t routed, int64_t own0, int64_t real,
+                  const ops::cuda::RowNorm& norm);
   void world_sum(float* v);  // real collectives: a 4-byte world all-reduce through the device
   void mark(const char* label) { prof_.mark(label, ctx_.stream); }
 
