@@ -211,7 +211,7 @@ int run_bench(const BenchArgs& args) {
   // rebuilt when the mode changes between steps.
   std::unique_ptr<GpuRank> rank;
   std::vector<int> slots;
-  auto build = [&](bool ffn_tp) {
+  auto build_rank = [&](bool ffn_tp) {
     rank.reset();
     ShardSpec sh = shard;
     sh.ffn_tp = ffn_tp;
@@ -232,6 +232,18 @@ int run_bench(const BenchArgs& args) {
     CUDA_CHECK(cudaStreamSynchronize(s));
     fmt::print("weights {:.1f} GB ({} shared experts / dense MLP), caches {:.1f} GB on the device\n", wbytes / 1e9,
                ffn_tp ? "TP-sharded" : "replicated", rank->cache_bytes() / 1e9);
+  };
+  // What did not fit names what was being built (the caches and workspace grow with the largest B, q and
+  // context asked for).
+  auto build = [&](bool ffn_tp) {
+    try {
+      build_rank(ffn_tp);
+    } catch (const OutOfDeviceMemory& e) {
+      rank.reset();
+      fail("bench: {} ({}, shared experts / dense MLP {}) for up to {} requests x {} tokens at context {} does not "
+           "fit this GPU: {}; ask for fewer --batches, a smaller --context, or run it on a larger GPU",
+           what, variant, ffn_tp ? "TP-sharded" : "replicated", maxB, maxq, args.context, e.what());
+    }
   };
   fmt::print("{:>7} {:>5} {:>3} {:>7} {:>7} {:>11} {:>11} {:>11} {:>10} {:>11} {:>7}\n", "step", "B", "q", "rows",
              "ctx", "median_us", "min_us", "max_us", "MB", "floor_us", "ratio");

@@ -1,7 +1,8 @@
 // CUDA error vocabulary and device buffers (compiled only with K3_CUDA).
 //   CUDA_CHECK(expr): throws k3::Error naming the expression, file:line and device.
 //   K3_DEVICE_ASSERT(cond): prints and traps on the device.
-//   DeviceBuffer: one cudaMalloc'd allocation, freed on destruction (never per step).
+//   DeviceBuffer: one cudaMalloc'd allocation, freed on destruction (never per step); out of memory
+//   throws OutOfDeviceMemory (a k3::Error) with the size asked for and the device's free and total memory.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,11 +32,30 @@
 
 namespace k3 {
 
+// What DeviceBuffer throws when the device has too little memory left (a caller may say what it was building).
+class OutOfDeviceMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
   explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    if (bytes) CUDA_CHECK(cudaMalloc(&ptr_, bytes));
+    if (bytes == 0) return;
+    const cudaError_t e = cudaMalloc(&ptr_, bytes);
+    if (e == cudaErrorMemoryAllocation) {
+      cudaGetLastError();  // not sticky: clear it, so later launch checks do not see it
+      size_t free_b = 0, total_b = 0;
+      cudaMemGetInfo(&free_b, &total_b);
+      int dev = -1;
+      cudaGetDevice(&dev);
+      const auto gib = [](size_t b) { return static_cast<double>(b) / (1 << 30); };
+      throw OutOfDeviceMemory(fmt::format("out of GPU memory: {:.2f} GiB asked for, {:.2f} of {:.2f} GiB free on "
+                                          "device {}",
+                                          gib(bytes), gib(free_b), gib(total_b), dev));
+    }
+    CUDA_CHECK(e);
   }
   ~DeviceBuffer() {
     if (ptr_) cudaFree(ptr_);

@@ -42,7 +42,8 @@ __device__ __forceinline__ void rmsnorm_row_apply(const bf16* xr, const W* __res
     if constexpr (sizeof(W) == 2) {
       load_bf16<VEC>(w + c * VEC, wv);
     } else if constexpr (VEC == 8) {
-      const float4 a = *reinterpret_cast<const float4*>(w + c * VEC), b = *reinterpret_cast<const float4*>(w + c * VEC + 4);
+      const float4 a = *reinterpret_cast<const float4*>(w + c * VEC);
+      const float4 b = *reinterpret_cast<const float4*>(w + c * VEC + 4);
       wv[0] = a.x, wv[1] = a.y, wv[2] = a.z, wv[3] = a.w, wv[4] = b.x, wv[5] = b.y, wv[6] = b.z, wv[7] = b.w;
     } else {
       wv[0] = w[c];
