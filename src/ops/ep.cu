@@ -168,23 +168,22 @@ __global__ void __launch_bounds__(detail::kNormMaxThreads)
   detail::pdl_wait();
   detail::pdl_launch_dependents();
   __shared__ float red[kWarp];
-  const int64_t r = blockIdx.x, chunks = L / 8;
-  bf16* yr = y + r * L;
-  float ss = 0.f;
-  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < k; ++j) {
-      const int32_t s = slot[r * k + j];
-      if (s < 0) continue;
-      const float wj = w[r * k + j];
-      float v[8];
-      detail::load_bf16<8>(back + int64_t{s} * L + c * 8, v);
+  const int64_t r = blockIdx.x;
+  detail::rmsnorm_row_produced<8>(
+      [&](int64_t c, float (&acc)[8]) {
 #pragma unroll
-      for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(wj, v[u]));
-    }
-    detail::norm_row_store<8>(yr, c, acc, ss);
-  }
-  detail::rmsnorm_row_apply<bf16, 8>(yr, norm_w, yr, L, eps, ss, red);
+        for (int u = 0; u < 8; ++u) acc[u] = 0.f;
+        for (int j = 0; j < k; ++j) {
+          const int32_t s = slot[r * k + j];
+          if (s < 0) continue;
+          const float wj = w[r * k + j];
+          float v[8];
+          detail::load_bf16<8>(back + int64_t{s} * L + c * 8, v);
+#pragma unroll
+          for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(wj, v[u]));
+        }
+      },
+      y + r * L, L, norm_w, eps, red);
 }
 
 // Threads for a row of `chunks` vectors: whole warps, 32..256.

@@ -623,8 +623,26 @@ int launch_mma_nt(int nt, const bf16* x, const Plan& plan, const Mxfp4ExpertTabl
   return launch_mma<3, UP>(x, plan, ex, out, k, K, N, max_slots, pairs, sp, sms, s);
 }
 
-// y[r, i] = bf16(sum over local j, in order, of w[r, j] * o[(r, j), i]); 0 for a row with none. A thread
-// per 8 consecutive i (L % 32 == 0; o and y 16-byte aligned): one 16-byte load per (r, j) and store per r.
+// acc[u] = sum over local j, in order, of w[r, j] * o[(r, j), i + u] (u < 8; 0 for a row with none):
+// one 16-byte load per (r, j).
+__device__ __forceinline__ void combine_chunk(const bf16* __restrict__ o, const int32_t* __restrict__ idx,
+                                              const float* __restrict__ w, int expert_begin, int expert_count,
+                                              int64_t r, int k, int64_t L, int64_t i, float (&acc)[8]) {
+#pragma unroll
+  for (int u = 0; u < 8; ++u) acc[u] = 0.f;
+  for (int j = 0; j < k; ++j) {
+    const int64_t pair = r * k + j;
+    const int64_t e = static_cast<int64_t>(idx[pair]) - expert_begin;
+    if (e < 0 || e >= expert_count) continue;
+    const float wj = w[pair];
+    float v[8];
+    detail::load_bf16<8>(o + pair * L + i, v);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(wj, v[u]));
+  }
+}
+
+// y[r, i] = bf16(combine_chunk). A thread per 8 consecutive i (L % 32 == 0; o and y 16-byte aligned).
 __global__ void moe_combine_kernel(const bf16* __restrict__ o, const int32_t* __restrict__ idx,
                                    const float* __restrict__ w, int expert_begin, int expert_count, bf16* __restrict__ y,
                                    int64_t rows, int k, int64_t L) {
@@ -634,17 +652,8 @@ __global__ void moe_combine_kernel(const bf16* __restrict__ o, const int32_t* __
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < total;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = t / L8, i = (t % L8) * 8;
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < k; ++j) {
-      const int64_t pair = r * k + j;
-      const int64_t e = static_cast<int64_t>(idx[pair]) - expert_begin;
-      if (e < 0 || e >= expert_count) continue;
-      const float wj = w[pair];
-      float v[8];
-      detail::load_bf16<8>(o + pair * L + i, v);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(wj, v[u]));
-    }
+    float acc[8];
+    combine_chunk(o, idx, w, expert_begin, expert_count, r, k, L, i, acc);
     detail::store_bf16<8>(y + r * L + i, acc);
   }
 }
@@ -658,26 +667,11 @@ __global__ void __launch_bounds__(detail::kNormMaxThreads)
   detail::pdl_wait();
   detail::pdl_launch_dependents();
   __shared__ float red[detail::kWarp];
-  const int64_t r = blockIdx.x, chunks = L / 8;
-  bf16* yr = y + r * L;
-  float ss = 0.f;
-  for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) {
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < k; ++j) {
-      const int64_t pair = r * k + j;
-      const int64_t e = static_cast<int64_t>(idx[pair]) - expert_begin;
-      if (e < 0 || e >= expert_count) continue;
-      const float wj = w[pair];
-      float v[8];
-      detail::load_bf16<8>(o + pair * L + c * 8, v);
-#pragma unroll
-      for (int u = 0; u < 8; ++u) acc[u] = __fadd_rn(acc[u], __fmul_rn(wj, v[u]));
-    }
-    detail::norm_row_store<8>(yr, c, acc, ss);
-  }
-  detail::rmsnorm_row_apply<bf16, 8>(yr, norm_w, yr, L, eps, ss, red);
+  const int64_t r = blockIdx.x;
+  detail::rmsnorm_row_produced<8>(
+      [&](int64_t c, float (&acc)[8]) { combine_chunk(o, idx, w, expert_begin, expert_count, r, k, L, c * 8, acc); },
+      y + r * L, L, norm_w, eps, red);
 }
-
 
 unsigned grid_for(int64_t threads_needed, int threads_per_block, int cap_blocks) {
   const int64_t b = (threads_needed + threads_per_block - 1) / threads_per_block;

@@ -54,14 +54,22 @@ __device__ __forceinline__ void rmsnorm_row_apply(const bf16* xr, const W* __res
   }
 }
 
-// A producer's store of one chunk of the row before the norm: bf16(v) to yr, and the square sum of the
-// rounded values (what rmsnorm's first pass would read back).
-template <int VEC>
-__device__ __forceinline__ void norm_row_store(bf16* yr, int64_t c, float (&v)[VEC], float& ss) {
+// A row that this CTA produces chunk by chunk, then normalizes: make(c, v) gives chunk c's FP32 values; each
+// is rounded to BF16 and stored to yr, its squares summed (what rmsnorm's first pass would read back), then
+// the row is RMS-normalized in place (w [dim] BF16): the bits of storing the row, then rmsnorm on it.
+template <int VEC, typename Make>
+__device__ __forceinline__ void rmsnorm_row_produced(Make make, bf16* yr, int64_t dim, const bf16* __restrict__ w,
+                                                     float eps, float* red) {
+  float ss = 0.f;
+  for (int64_t c = threadIdx.x; c < dim / VEC; c += blockDim.x) {
+    float v[VEC];
+    make(c, v);
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) v[i] = round_bf16_dev(v[i]);
-  store_bf16<VEC>(yr + c * VEC, v);
-  norm_square_sum<VEC>(v, ss);
+    for (int i = 0; i < VEC; ++i) v[i] = round_bf16_dev(v[i]);
+    store_bf16<VEC>(yr + c * VEC, v);
+    norm_square_sum<VEC>(v, ss);
+  }
+  rmsnorm_row_apply<bf16, VEC>(yr, w, yr, dim, eps, ss, red);
 }
 
 }  // namespace k3::ops::cuda::detail
