@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "bench/bench.h"
+#include "bench/trace.h"
 #include "io/synthetic.h"
 
 namespace k3 {
@@ -62,6 +63,17 @@ TEST(BenchBytes, OpGroupsSumToTheStepAndMatchTheSpec) {
         }
       }
   }
+}
+
+// The trace counts the driver's kernels for graph copy / set nodes with the copies, and every other kernel
+// (ours, cuBLASLt's, the library kernels whose names merely contain "memcpy") with the kernels.
+TEST(BenchTrace, CopyNodeKernelsAreTheDriversMemcpyAndMemsetOnly) {
+  for (const char* n : {"memcpy32_post", "memcpy64_post", "memset32_aligned1D", "memcpy"})
+    EXPECT_TRUE(bench::is_copy_node_kernel(n)) << n;
+  for (const char* n : {"k3::ops::cuda::(anonymous namespace)::rmsnorm_kernel<k3::bf16, 8>",
+                        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>",
+                        "nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "k3::bench::memcpy_like_kernel", "_memcpy", ""})
+    EXPECT_FALSE(bench::is_copy_node_kernel(n)) << n;
 }
 
 }  // namespace

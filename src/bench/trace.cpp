@@ -58,7 +58,9 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
       case CUPTI_ACTIVITY_KIND_KERNEL: {
         const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-        g_sink->push_back({k->start, k->end, true, short_name(k->name)});
+        std::string name = short_name(k->name);
+        const bool kernel = !is_copy_node_kernel(name);
+        g_sink->push_back({k->start, k->end, kernel, std::move(name)});
         break;
       }
       case CUPTI_ACTIVITY_KIND_MEMCPY: {
@@ -82,6 +84,10 @@ const CUpti_ActivityKind kKinds[] = {CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL, CUPT
                                      CUPTI_ACTIVITY_KIND_MEMSET};
 
 }  // namespace
+
+bool is_copy_node_kernel(const std::string& name) {
+  return name.rfind("memcpy", 0) == 0 || name.rfind("memset", 0) == 0;
+}
 
 TraceSummary trace_steps(const std::function<void()>& replay, int reps) {
   TraceSummary out;

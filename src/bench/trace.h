@@ -1,6 +1,7 @@
 // Step trace (bench-only): what the GPU does during one replay of a step, from CUPTI's activity
 // records (kernels, memcpy and memset, with GPU timestamps):
-//   kernels, copies:  operations per step (a step is one CUDA graph: these are its nodes that ran);
+//   kernels, copies:  operations per step (a step is one CUDA graph: these are its nodes that ran; a copy
+//                     node the driver runs as a kernel counts as a copy, is_copy_node_kernel);
 //   busy_us:          the union of the operations' [start, end] intervals;
 //   span_us:          first start to last end;
 //   gap_us:           span - busy, the time inside the step not covered by any kernel or copy
@@ -31,6 +32,11 @@ struct TraceSummary {
   // between the busy intervals is charged to the operation starting after it (calls: gaps per step).
   std::vector<Kernel> gap_before;  // descending time
 };
+
+// Whether a kernel record is the driver running one of the graph's copy or set nodes as a kernel (at small
+// sizes, e.g. `memcpy32_post`: no namespace, the name begins "memcpy" or "memset"). The trace counts those
+// with the copies, so that kernels per step means the same at every point.
+bool is_copy_node_kernel(const std::string& name);
 
 // Runs `replay` (it enqueues one step; tracing synchronizes the device after it) `reps` times under CUPTI.
 TraceSummary trace_steps(const std::function<void()>& replay, int reps);
