@@ -15,6 +15,8 @@
 # picks the variants benched, so that one variant's three processes fit one
 # lent-machine call; K3_BENCH_MODES (default "stock hybrid hybrid-replicated")
 # the step modes and their order (each mode for every variant, then the next);
+# K3_BENCH_BATCHES (default "1 8 32 64") the requests per step (e.g. "1 8" on an
+# 80 GB H100, where 32 and 64 do not fit beside the slice's weights);
 # K3_BENCH_DEADLINE (seconds from the start of the bench, default none) skips a
 # process that would start with less than a minute left and stops the one
 # running at the deadline, so that a lent call ends with what it measured
@@ -35,7 +37,11 @@ for a in "$@"; do
     *) echo "usage: scripts/gpu-test.sh [--bench] [--history] [--bench-only] [--serve]" >&2; exit 2 ;;
   esac
 done
-# The bench's step modes, checked before anything runs.
+# The bench's batch sizes and step modes, checked before anything runs.
+batches=(${K3_BENCH_BATCHES:-1 8 32 64})
+for b in "${batches[@]}"; do
+  [[ "$b" =~ ^[1-9][0-9]*$ ]] || { echo "K3_BENCH_BATCHES: '$b' is not a positive number of requests" >&2; exit 2; }
+done
 modes=(${K3_BENCH_MODES:-stock hybrid hybrid-replicated})
 for mode in "${modes[@]}"; do
   case "$mode" in
@@ -121,7 +127,7 @@ if [ "$bench" = 1 ]; then
       fi
       st=${mode%-replicated} shared=(); [ "$mode" = hybrid-replicated ] && shared=(--shared-experts replicated)
       "${limit[@]}" "$bin/k3decode" bench --preset k3-rank-slice --variant "$v" --tp 8 --dp 4 --rank 0 --context 8192 \
-        --batches 1 8 32 64 --q 1 4 --iters 50 --steps "$st" "${shared[@]}" --commit "$commit" \
+        --batches "${batches[@]}" --q 1 4 --iters 50 --steps "$st" "${shared[@]}" --commit "$commit" \
         --json "$out/rank_slice_${v}_$mode.json" 2>&1 | tee "$out/bench_${v}_$mode.log" || status=1
     done
   done

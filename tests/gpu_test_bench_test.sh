@@ -12,15 +12,17 @@ mkdir "$tmp/bin"
 # The stand-in: one line per call to calls.txt, a one-record JSON naming its variant and mode.
 cat >"$tmp/bin/k3decode" <<'STUB'
 #!/usr/bin/env bash
-v="" st="" shared=tp json=""
+v="" st="" shared=tp json="" batches=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --variant) v=$2; shift ;; --steps) st=$2; shift ;; --json) json=$2; shift ;;
     --shared-experts) shared=$2; shift ;;
+    --batches) while [ $# -gt 1 ] && [[ "$2" =~ ^[0-9]+$ ]]; do batches="$batches $2"; shift; done ;;
   esac
   shift
 done
 echo "$v $st $shared" >>"$(dirname "$0")/calls.txt"
+echo "$batches" >>"$(dirname "$0")/batches.txt"
 echo "[{\"variant\": \"$v\", \"step\": \"$st\", \"shared\": \"$shared\"}]" >"$json"
 STUB
 chmod +x "$tmp/bin/k3decode"
@@ -40,10 +42,14 @@ for v in ("k3", "k3.1"):
     assert got == [(v, "stock"), (v, "hybrid")], f"{v}: {got}"
 PY
 
-# 2. The seed's hybrid mode passes --shared-experts replicated.
+[ "$(sort -u "$tmp/bin/batches.txt")" = " 1 8 32 64" ] || fail "default batches: $(cat "$tmp/bin/batches.txt")"
+
+# 2. The seed's hybrid mode passes --shared-experts replicated; K3_BENCH_BATCHES picks the batches.
+rm -f "$tmp/bin/batches.txt"
 rm -f "$tmp/bin/calls.txt"
-K3_BENCH_MODES="hybrid-replicated" K3_BENCH_VARIANTS=k3 run || fail "the replicated run failed"
+K3_BENCH_MODES="hybrid-replicated" K3_BENCH_VARIANTS=k3 K3_BENCH_BATCHES="1 8" run || fail "the replicated run failed"
 [ "$(cat "$tmp/bin/calls.txt")" = "k3 hybrid replicated" ] || fail "replicated: $(cat "$tmp/bin/calls.txt")"
+[ "$(cat "$tmp/bin/batches.txt")" = " 1 8" ] || fail "K3_BENCH_BATCHES=\"1 8\": $(cat "$tmp/bin/batches.txt")"
 
 # 3. A deadline under a minute: nothing starts, status 1, empty JSON.
 rm -f "$tmp/bin/calls.txt"
@@ -53,7 +59,7 @@ grep -q "skipped" "$tmp/log" || fail "no skip message"
 [ "$(tr -d ' \n' <"$tmp/out/rank_slice_k3.json")" = "[]" ] || fail "JSON after skipping: $(cat "$tmp/out/rank_slice_k3.json")"
 
 # 4. Bad input refused before anything runs.
-for env in "K3_BENCH_MODES=hybrid-tp" "K3_BENCH_DEADLINE=5m"; do
+for env in "K3_BENCH_MODES=hybrid-tp" "K3_BENCH_DEADLINE=5m" "K3_BENCH_BATCHES=0" "K3_BENCH_BATCHES=8x"; do
   set +e
   env "$env" OUT="$tmp/out" K3_BIN="$tmp/bin" K3_COMMIT=test "$root/scripts/gpu-test.sh" --bench-only >"$tmp/log" 2>&1
   rc=$?
