@@ -3,8 +3,6 @@
 // else single elements) in every pass, so out may alias x. Sums are FP32 block reductions; the
 // roundings are the CPU's: bf16(x * inv) before the weight, bf16 of the result. RMSNorm's row pass
 // lives in rmsnorm.cuh, shared with the kernels that end in it (RowNorm).
-#include <algorithm>
-
 #include "ops/cuda_bf16.cuh"
 #include "ops/cuda_device.cuh"
 #include "ops/rmsnorm.cuh"
