@@ -142,7 +142,7 @@ int linear_kernel(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f3
 template <int RT, int VEC>
 int launch_rows_group(const bf16* x, GroupArgs g, int64_t rows, int64_t in, cudaStream_t s) {
   const int64_t row_tiles = (rows + RT - 1) / RT;
-  if (!rows_detail::set_begin(g, [&](int64_t out) { return row_tiles * ((out + kLinOut - 1) / kLinOut); }))
+  if (!rows_detail::set_begin(g, [&](int j) { return row_tiles * ((g.out[j] + kLinOut - 1) / kLinOut); }))
     return cudaErrorInvalidConfiguration;
   const int64_t blocks = g.begin[g.n];
   return detail::launch(linear_rows_group_kernel<RT, VEC>, static_cast<unsigned>(blocks), kLinThreads, 0, s, x, g, rows,
@@ -345,7 +345,7 @@ int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, in
                      const LinearOut* outs, int n) {
   if (rows < 0 || in <= 0 || n < 0 || n > kLinearGroupMax || (n > 0 && outs == nullptr)) return cudaErrorInvalidValue;
   for (int j = 0; j < n; ++j)
-    if (outs[j].out <= 0) return cudaErrorInvalidValue;
+    if (outs[j].out <= 0 || outs[j].w_up != nullptr) return cudaErrorInvalidValue;  // GLU: linear_rows_tc only
   if (rows == 0 || n == 0) return cudaSuccess;
   if (path == LinearGroupPath::GroupedTc ||
       (path == LinearGroupPath::Auto && linear_rows_tc_takes(rows, x, in, in, outs, n))) {

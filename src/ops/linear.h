@@ -81,6 +81,11 @@ struct LinearOut {
   void* y = nullptr;        // [rows, out], BF16 or FP32 (y_f32)
   int64_t out = 0;
   bool y_f32 = false;
+  // A GLU member (linear_rows_tc only; linear_group refuses it): w_up [out, in] given, y [rows, out] BF16 =
+  // situ_glu(bf16(x W^T), bf16(x W_up^T)) with these betas (ops/moe.h), the bits of the two projections in a
+  // group then situ_glu.
+  const bf16* w_up = nullptr;
+  float glu_beta = 0.f, glu_linear_beta = 0.f;
 };
 constexpr int kLinearGroupMax = 6;
 int linear_group(const Context& ctx, const bf16* x, int64_t rows, int64_t in, const LinearOut* outs, int n);
@@ -123,10 +128,11 @@ bool linear_skinny_fits(int64_t rows, int64_t in, const bf16* x, const bf16* w);
 int linear_skinny(const Context& ctx, const bf16* x, const bf16* w, void* y, bool y_f32, int64_t rows, int64_t in,
                   int64_t out);
 
-// The tensor-core row-tile kernel (src/ops/linear_rows_tc.cu): y_j = x W_j^T (+ y_j when add, BF16 y only)
-// for j < n in one launch, 16 features x 8-32 rows per CTA on mma.sync, W streamed once per 32 rows; x's rows
-// x_ld elements apart. It takes in % 8 == 0, x_ld % 8 == 0 and 16-byte aligned x and w_j
-// (linear_rows_tc_fits); otherwise it enqueues nothing and returns cudaErrorNotSupported. Same bits on every
+// The tensor-core row-tile kernel (src/ops/linear_rows_tc.cu): y_j = x W_j^T (+ y_j when add, BF16 y only;
+// a GLU member, LinearOut::w_up: the SiTU of two) for j < n in one launch, 16 features (a GLU member: 8
+// pairs) x 8-32 rows per CTA on mma.sync, W streamed once per 32 rows; x's rows x_ld elements apart. It
+// takes in % 8 == 0, x_ld % 8 == 0 and 16-byte aligned x, w_j and w_up (linear_rows_tc_fits; a GLU member's
+// y BF16); otherwise it enqueues nothing and returns cudaErrorNotSupported. Same bits on every
 // run for a shape, and per projection the same bits alone or in a group; not the rows kernel's or cuBLASLt's.
 bool linear_rows_tc_fits(const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n);
 int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows, int64_t in, const LinearOut* outs,
@@ -138,6 +144,9 @@ int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows
 constexpr int64_t kLinearRowsTcMinRows = 3;
 constexpr int64_t kLinearRowsTcMaxRows = 8;
 int64_t linear_rows_tc_max_rows();
+// Whether linear_glu (ops/moe.h) takes the tensor-core kernel's GLU member at `rows` rows: the tc group's
+// row counts (kLinearRowsTcMinRows .. linear_rows_tc_max_rows(), past the rows kernel's).
+bool linear_glu_tc_takes(int64_t rows);
 bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n);
 // Its kernel issues each stage's weight loads one stage ahead of the mma on grids of at most
 // kLinearRowsTcPipeCtasPerSm CTAs per SM (linear_rows_tc_pipelined): there the few CTAs need the loads in

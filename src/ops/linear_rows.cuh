@@ -80,6 +80,8 @@ struct GroupArgs {
   int64_t out[kLinearGroupMax];
   int64_t begin[kLinearGroupMax + 1];
   bool y_f32[kLinearGroupMax];
+  const bf16* w_up[kLinearGroupMax];  // GLU members (linear_rows_tc_kernel only), else null
+  float glu_beta[kLinearGroupMax], glu_linear_beta[kLinearGroupMax];
   int n;
 };
 
@@ -92,15 +94,18 @@ inline GroupArgs group_args(const LinearOut* outs, int n) {
     g.y[j] = outs[j].y;
     g.out[j] = outs[j].out;
     g.y_f32[j] = outs[j].y_f32;
+    g.w_up[j] = outs[j].w_up;
+    g.glu_beta[j] = outs[j].glu_beta;
+    g.glu_linear_beta[j] = outs[j].glu_linear_beta;
   }
   return g;
 }
 
-// begin[] from each projection's block count blocks(out_j); false when the grid is too large for one launch.
+// begin[] from each projection's block count blocks(j); false when the grid is too large for one launch.
 template <typename Blocks>
 bool set_begin(GroupArgs& g, Blocks blocks) {
   g.begin[0] = 0;
-  for (int j = 0; j < g.n; ++j) g.begin[j + 1] = g.begin[j] + blocks(g.out[j]);
+  for (int j = 0; j < g.n; ++j) g.begin[j + 1] = g.begin[j] + blocks(j);
   for (int j = g.n + 1; j <= kLinearGroupMax; ++j) g.begin[j] = g.begin[g.n];
   return g.begin[g.n] <= 0x7fffffff;
 }

@@ -18,6 +18,11 @@
 // per 16 features (the rows kernel: once per 4). More than 8 NT rows: row tiles, each reading W again
 // (from L2 when its neighbours in the grid just did).
 //
+// A GLU member (w_up given) takes 8 features per CTA: A rows 0-7 are W rows o0 .. o0 + 7 and rows 8-15 W_up's
+// same rows, so a lane's accumulators i and i + 2 are the gate and up sums of one (feature, row), and the
+// epilogue writes situ_glu of the two, each rounded to BF16 first: per M row the mma's sum is the same
+// whichever rows share the tile, so these are the bits of the two projections in a group then situ_glu.
+//
 // W streams through L1 without allocating (ld.global.nc.L1::no_allocate), so x (small, read by every CTA)
 // stays in L1. The warps' FP32 partials meet in shared memory and are summed in warp order, one fixed
 // order per output: the same bits on every run for a shape. The row tile is the fastest grid index (the
@@ -30,6 +35,7 @@
 #include "ops/cuda_mma.cuh"
 #include "ops/linear.h"
 #include "ops/linear_rows.cuh"
+#include "ops/moe_device.cuh"
 
 namespace k3::ops::cuda {
 namespace {
@@ -65,11 +71,13 @@ __global__ void __launch_bounds__(WARPS * kWarp)
   __shared__ float red[WARPS][NT][4][kWarp];
 
   const int64_t blk = b - g.begin[j], out = g.out[j];
-  const int64_t r0 = (blk % row_tiles) * kTcN * NT, o0 = (blk / row_tiles) * kTcFeat;
+  const bf16* w_up = g.w_up[j];
+  const bool glu = w_up != nullptr;
+  const int64_t r0 = (blk % row_tiles) * kTcN * NT, o0 = (blk / row_tiles) * (glu ? kTcFeat / 2 : kTcFeat);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, gq = lane / 4, t = lane % 4;
   // Features past `out` read the last valid row (their sums are not written).
   const bf16* wa = g.w[j] + min(o0 + gq, out - 1) * in + 8 * t;
-  const bf16* wb = g.w[j] + min(o0 + gq + 8, out - 1) * in + 8 * t;
+  const bf16* wb = glu ? w_up + min(o0 + gq, out - 1) * in + 8 * t : g.w[j] + min(o0 + gq + 8, out - 1) * in + 8 * t;
   bool has_row[NT];
   const bf16* xr[NT];
 #pragma unroll
@@ -129,12 +137,21 @@ __global__ void __launch_bounds__(WARPS * kWarp)
   for (int e = threadIdx.x; e < NT * 4 * kWarp; e += WARPS * kWarp) {
     // Accumulator i of lane l in n-tile n: feature l / 4 (+ 8 for i >= 2), row 8 n + 2 (l % 4) + (i & 1).
     const int n = e / (4 * kWarp), i = e / kWarp % 4, l = e % kWarp;
+    if (glu && i >= 2) continue;  // a GLU pair's up sum is taken with its gate sum (i - 2)
     float s = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) s += red[w][n][i][l];
-    const int64_t o = o0 + l / 4 + (i >= 2 ? 8 : 0), r = r0 + kTcN * n + 2 * (l % 4) + (i & 1);
+    const int64_t o = o0 + l / 4 + (!glu && i >= 2 ? 8 : 0), r = r0 + kTcN * n + 2 * (l % 4) + (i & 1);
     if (o < out && r < rows) {
-      if (g.y_f32[j]) {
+      if (glu) {
+        float u = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) u += red[w][n][i + 2][l];
+        const float a = detail::bf16_to_float(detail::float_to_bf16(s)),
+                    bu = detail::bf16_to_float(detail::float_to_bf16(u));
+        static_cast<bf16*>(g.y[j])[r * out + o] =
+            detail::float_to_bf16(detail::situ_dev(a, bu, SituParams{g.glu_beta[j], g.glu_linear_beta[j]}));
+      } else if (g.y_f32[j]) {
         static_cast<float*>(g.y[j])[r * out + o] = s;
       } else {
         bf16* y = static_cast<bf16*>(g.y[j]) + r * out + o;
@@ -159,12 +176,18 @@ bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in,
          rows <= linear_rows_tc_max_rows() && linear_rows_tc_fits(x, x_ld, in, outs, n);
 }
 
+bool linear_glu_tc_takes(int64_t rows) {
+  return rows >= kLinearRowsTcMinRows && rows > linear_rows_kernel_max_rows() && rows <= linear_rows_tc_max_rows();
+}
+
 bool linear_rows_tc_fits(const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n) {
   if (n < 1 || n > kLinearGroupMax || x == nullptr || in <= 0 || in % 8 != 0 || x_ld < in || x_ld % 8 != 0 ||
       !aligned16(x) || outs == nullptr)
     return false;
-  for (int j = 0; j < n; ++j)
+  for (int j = 0; j < n; ++j) {
     if (outs[j].w == nullptr || outs[j].y == nullptr || outs[j].out <= 0 || !aligned16(outs[j].w)) return false;
+    if (outs[j].w_up != nullptr && (outs[j].y_f32 || !aligned16(outs[j].w_up))) return false;  // GLU: BF16 y
+  }
   return true;
 }
 
@@ -172,14 +195,17 @@ int linear_rows_tc(const Context& ctx, const bf16* x, int64_t x_ld, int64_t rows
                    int n, bool add) {
   if (rows < 0 || in <= 0 || n < 0 || n > kLinearGroupMax || (n > 0 && outs == nullptr)) return cudaErrorInvalidValue;
   for (int j = 0; j < n; ++j)
-    if (add && outs[j].y_f32) return cudaErrorInvalidValue;  // the add is into BF16 y
+    if (add && (outs[j].y_f32 || outs[j].w_up != nullptr)) return cudaErrorInvalidValue;  // the add: BF16 y, no GLU
   if (rows == 0 || n == 0) return cudaSuccess;
   if (!linear_rows_tc_fits(x, x_ld, in, outs, n)) return cudaErrorNotSupported;
   // NT n8 tiles per CTA: the fewest that cover the rows, at most 4.
   const int nt = rows <= kTcN ? 1 : rows <= 2 * kTcN ? 2 : 4;
   GroupArgs g = rows_detail::group_args(outs, n);
   const int64_t row_tiles = (rows + kTcN * nt - 1) / (kTcN * nt);
-  if (!rows_detail::set_begin(g, [&](int64_t out) { return row_tiles * ((out + kTcFeat - 1) / kTcFeat); }))
+  if (!rows_detail::set_begin(g, [&](int j) {
+        const int64_t feat = g.w_up[j] != nullptr ? kTcFeat / 2 : kTcFeat;  // GLU: 8 (gate, up) pairs per CTA
+        return row_tiles * ((g.out[j] + feat - 1) / feat);
+      }))
     return cudaErrorInvalidConfiguration;
   const auto blocks = static_cast<unsigned>(g.begin[n]);
   auto s = reinterpret_cast<cudaStream_t>(ctx.stream);

@@ -255,6 +255,15 @@ int linear_glu(const Context& ctx, const bf16* x, const bf16* w_gate, const bf16
                : detail::launch(glu_rows_kernel<1>, grid, rows_detail::kLinThreads, 0, ctx.stream, x, w_gate, w_up,
                                 h, rows, D, I, p);
   }
+  if (fused && linear_glu_tc_takes(rows)) {
+    // The tensor-core kernel's GLU member: the group's bits and the SiTU in its epilogue, one launch.
+    LinearOut glu{w_gate, h, I};
+    glu.w_up = w_up;
+    glu.glu_beta = p.beta;
+    glu.glu_linear_beta = p.linear_beta;
+    const int e = linear_rows_tc(ctx, x, D, rows, D, &glu, 1);
+    if (e != cudaErrorNotSupported) return e;
+  }
   if (scratch == nullptr) return cudaErrorInvalidValue;
   bf16* a = scratch;
   bf16* b = scratch + rows * I;

@@ -12,12 +12,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
 
 #include "core/mxfp4.h"
 #include "gpu_test_util.h"
+#include "ops/linear.h"
 #include "ops/moe.h"
 #include "ops/rmsnorm.h"
 #include "ops/router.h"
@@ -197,7 +199,11 @@ TEST(CudaMoe, LinearGluFusedIsTheGroupAndSituBitwise) {
     int x_off, up_off;  // elements the device x and w_up start past a 256-byte boundary
   };
   const Case cases[] = {{1, 256, 384, 0, 0},  {1, 100, 37, 0, 0},  {1, 7168, 768, 0, 0}, {1, 7168, 4224, 0, 0},
-                        {1, 7168, 6144, 0, 0}, {1, 264, 33, 1, 0}, {1, 264, 40, 0, 1},  {3, 512, 96, 0, 0}};
+                        {1, 7168, 6144, 0, 0}, {1, 264, 33, 1, 0}, {1, 264, 40, 0, 1},  {3, 512, 96, 0, 0},
+                        // The tensor-core kernel's GLU member (rows 3-8), and where it does not fit (x or w_up off
+                        // their 16-byte alignment, k not a multiple of 8): the group and situ_glu.
+                        {3, 7168, 768, 0, 0},  {5, 264, 33, 0, 0},  {8, 7168, 4224, 0, 0}, {4, 7168, 768, 1, 0},
+                        {7, 264, 40, 0, 1},    {6, 100, 37, 0, 0}};
   uint64_t seed = 8500;
   for (const auto& c : cases) {
     SCOPED_TRACE(testing::Message() << "rows " << c.rows << " D " << c.D << " I " << c.I << " x+" << c.x_off
@@ -232,6 +238,79 @@ TEST(CudaMoe, LinearGluFusedIsTheGroupAndSituBitwise) {
                                   8, 0, kSitu, dummy.get<bf16>()),
             0)
       << "I = 0";
+}
+
+// linear_rows_tc with a GLU member beside plain ones (the router's FP32 logits, the latent down, the shared
+// experts' gate / up: GpuRank::moe's group) against the same kernel on the gate and up as two members then
+// situ_glu, bitwise, and against the CPU linear_glu; rows past one tile and odd feature counts.
+TEST(CudaLinearRowsTc, GluMemberIsTheGroupAndSituBitwise) {
+  K3_REQUIRE_GPU();
+  namespace cu = ops::cuda;
+  struct Case {
+    int64_t in, f32_out, bf16_out, I;
+  };
+  const Case cases[] = {{264, 33, 40, 37}, {7168, 896, 448, 768}, {136, 5, 16, 8}};
+  uint64_t seed = 8700;
+  for (const auto& c : cases) {
+    const double ws = 2.0 / std::sqrt(double(c.in));
+    const auto wr = random_bf16_values(static_cast<size_t>(c.f32_out * c.in), seed++, ws);
+    const auto wd = random_bf16_values(static_cast<size_t>(c.bf16_out * c.in), seed++, ws);
+    const auto wg = random_bf16_values(static_cast<size_t>(c.I * c.in), seed++, ws);
+    const auto wu = random_bf16_values(static_cast<size_t>(c.I * c.in), seed++, ws);
+    DeviceBuffer dr = upload_bf16(wr), dd = upload_bf16(wd), dg = upload_bf16(wg), du = upload_bf16(wu);
+    for (const int64_t rows : {3, 5, 8, 13, 32, 40}) {
+      SCOPED_TRACE(testing::Message() << "in " << c.in << " I " << c.I << " rows " << rows);
+      const auto x = random_bf16_values(static_cast<size_t>(rows * c.in), seed++);
+      DeviceBuffer dx = upload_bf16(x);
+      const size_t nr = static_cast<size_t>(rows * c.f32_out), nd = static_cast<size_t>(rows * c.bf16_out),
+                   nh = static_cast<size_t>(rows * c.I);
+      DeviceBuffer r1(nr * 4), d1(nd * 2), h1(nh * 2), r2(nr * 4), d2(nd * 2), a2(nh * 2), b2(nh * 2);
+      for (DeviceBuffer* b : {&r1, &d1, &h1}) CUDA_CHECK(cudaMemsetAsync(b->get(), 0xff, b->bytes(), st()));
+      cu::LinearOut glu[3] = {{dr.get<bf16>(), r1.get(), c.f32_out, true},
+                              {dd.get<bf16>(), d1.get(), c.bf16_out},
+                              {dg.get<bf16>(), h1.get(), c.I}};
+      glu[2].w_up = du.get<bf16>();
+      glu[2].glu_beta = kSitu.beta;
+      glu[2].glu_linear_beta = kSitu.linear_beta;
+      ASSERT_EQ(cu::linear_rows_tc(ctx(), dx.get<bf16>(), c.in, rows, c.in, glu, 3), 0);
+      const cu::LinearOut four[4] = {{dr.get<bf16>(), r2.get(), c.f32_out, true},
+                                     {dd.get<bf16>(), d2.get(), c.bf16_out},
+                                     {dg.get<bf16>(), a2.get(), c.I},
+                                     {du.get<bf16>(), b2.get(), c.I}};
+      ASSERT_EQ(cu::linear_rows_tc(ctx(), dx.get<bf16>(), c.in, rows, c.in, four, 4), 0);
+      ASSERT_EQ(cu::situ_glu(a2.get<bf16>(), b2.get<bf16>(), a2.get<bf16>(), static_cast<int64_t>(nh), kSitu, st()),
+                0);
+      const auto hr1 = download<float>(r1, nr), hr2 = download<float>(r2, nr);
+      const auto hd1 = download<bf16>(d1, nd), hd2 = download<bf16>(d2, nd);
+      const auto hh1 = download<bf16>(h1, nh), hh2 = download<bf16>(a2, nh);
+      size_t differ = 0;
+      for (size_t i = 0; i < nr; ++i) differ += std::memcmp(&hr1[i], &hr2[i], 4) != 0;
+      EXPECT_EQ(differ, 0u) << "FP32 member beside a GLU member differs";
+      differ = 0;
+      for (size_t i = 0; i < nd; ++i) differ += hd1[i].bits != hd2[i].bits;
+      EXPECT_EQ(differ, 0u) << "BF16 member beside a GLU member differs";
+      differ = 0;
+      for (size_t i = 0; i < nh; ++i) differ += hh1[i].bits != hh2[i].bits;
+      EXPECT_EQ(differ, 0u) << "GLU member differs from the two projections then situ_glu";
+      std::vector<float> want(nh), scratch(nh);
+      const std::vector<bf16> wgb = to_bf16_vec(wg), wub = to_bf16_vec(wu);
+      ops::linear_glu(x.data(), wgb.data(), wub.data(), want.data(), rows, c.in, c.I, kSitu, scratch.data());
+      expect_close(to_float_vec(hh1), want, kChained, 0.0, "GLU member");
+    }
+  }
+  // What it refuses: a GLU member with FP32 output or w_up off its alignment (nothing enqueued), an add with a
+  // GLU member, and linear_group given a GLU member.
+  DeviceBuffer dx(8 * 64 * 2), dw(64 * 16 * 2 + 16), dy(8 * 16 * 4);
+  cu::LinearOut o{dw.get<bf16>(), dy.get(), 16, false};
+  o.w_up = dw.get<bf16>();
+  o.y_f32 = true;
+  EXPECT_EQ(cu::linear_rows_tc(ctx(), dx.get<bf16>(), 64, 4, 64, &o, 1), cudaErrorNotSupported);
+  o.y_f32 = false;
+  o.w_up = dw.get<bf16>() + 1;
+  EXPECT_EQ(cu::linear_rows_tc(ctx(), dx.get<bf16>(), 64, 4, 64, &o, 1), cudaErrorNotSupported);
+  o.w_up = dw.get<bf16>();
+  EXPECT_EQ(cu::linear_rows_tc(ctx(), dx.get<bf16>(), 64, 4, 64, &o, 1, /*add=*/true), cudaErrorInvalidValue);
+  EXPECT_EQ(cu::linear_group(ctx(), dx.get<bf16>(), 4, 64, &o, 1), cudaErrorInvalidValue);
 }
 
 // The routed experts of one rank against the CPU model's recipe (layers.cpp moe_ffn): each local expert
