@@ -168,6 +168,7 @@ int run_ops_bench(const BenchArgs& args, double bw, double flops, ops::cuda::Con
         {"moe router down", 7168, {{896, true}, {3584, false}}},
         {"moe router down (tp)", 7168, {{896, true}, {448, false}}},
         {"shared gate up (tp)", 7168, {{768, false}, {768, false}}},
+        {"moe router down + shared gate up (tp)", 7168, {{896, true}, {448, false}, {768, false}, {768, false}}},
         {"dense gate up (tp)", 7168, {{4224, false}, {4224, false}}},
         {"shared gate up", 7168, {{6144, false}, {6144, false}}},
     };

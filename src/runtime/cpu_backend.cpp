@@ -50,22 +50,21 @@ void CpuBackend::attention(int l, Act x, Act out) {
     mla_attention(*env_.config, lw.mla, l, at(x), shape_, *env_.cache, env_.dcp, at(out));
 }
 
-void CpuBackend::moe(int l, Act x, int64_t row0, int64_t cs, int64_t real, Act out, bool with_shared) {
+void CpuBackend::moe(int l, Act x, int64_t row0, int64_t cs, int64_t real, Act out, SharedPart shared) {
   const MoeWeights& w = env_.weights->layers[l].moe;
+  const bool own = shared == SharedPart::Own;
+  // TP-sharded shared experts: their partial sum of all m rows first, the routed rows added into it.
+  if (!own && r_.m > 0) k3::shared_mlp(*env_.config, w, at(x), r_.m, at(out));
   if (w.down_rows < env_.config->moe.latent_size) {
     // Sliced (TP-sharded latent down): all m rows routed here, this member's own rows [row0, row0 + real)
     // added into out.
+    K3_CHECK(!own, "internal: a sliced latent down goes with TP-sharded shared experts");
     moe_ffn(*env_.config, w, at(x), r_.m, r_.m, *env_.world, at(out), false, MoeSlice{r_.G, r_.t, r_.cs});
     return;
   }
   // x has G cs rows: the shard's padding rows past m are zero and never routed. Without the shared experts
   // the routed rows are added into out's rows [row0, row0 + real).
-  moe_ffn(*env_.config, w, at(x) + row0 * D_, cs, real, *env_.world, at(out) + (with_shared ? 0 : row0 * D_),
-          with_shared);
-}
-
-void CpuBackend::shared_mlp(int l, Act x, int64_t rows, Act out) {
-  k3::shared_mlp(*env_.config, env_.weights->layers[l].moe, at(x), rows, at(out));
+  moe_ffn(*env_.config, w, at(x) + row0 * D_, cs, real, *env_.world, at(out) + (own ? 0 : row0 * D_), own);
 }
 
 void CpuBackend::dense(int l, Act x, int64_t rows, Act out) {

@@ -40,8 +40,7 @@ class CpuBackend final : public StepBackend {
   void rmsnorm(Act x, const bf16* w, int64_t rows) override;
   void copy_rows(Act dst, Act src, int64_t rows) override;
   void attention(int layer, Act x, Act out) override;
-  void moe(int layer, Act x, int64_t row0, int64_t cs, int64_t real, Act out, bool with_shared) override;
-  void shared_mlp(int layer, Act x, int64_t rows, Act out) override;
+  void moe(int layer, Act x, int64_t row0, int64_t cs, int64_t real, Act out, SharedPart shared) override;
   void dense(int layer, Act x, int64_t rows, Act out) override;
   void lm_head(Act h, int64_t m) override;
   void all_gather_rows(Act shard, Act all, int64_t m) override;

@@ -32,6 +32,9 @@ enum class Act {
   Sharded,   // [cs, D] hybrid: the MoE output of this rank's shard
 };
 
+// Where moe() puts the shared experts (its comment below).
+enum class SharedPart { Own, TpAllRows };
+
 struct StepRows {
   int64_t m = 0;     // rows of the replica's step
   int G = 1, t = 0;  // TP size and rank
@@ -69,13 +72,12 @@ class StepBackend {
   virtual void copy_rows(Act dst, Act src, int64_t rows) = 0;
   // The attention of layer l on all m rows: out = the o_proj partial of the local heads.
   virtual void attention(int layer, Act x, Act out) = 0;
-  // The MoE of layer l on rows [row0, row0 + real) of x (a shard of cs rows, the rest padding) -> out [cs, D]
-  // with the shared experts; with_shared = false: the routed part alone, added into out's rows
-  // [row0, row0 + real) (which hold the shared experts' TP partial sum: shared_mlp, called first).
-  // Collective over the world (EP): every rank calls it in every MoE layer, real = 0 included.
-  virtual void moe(int layer, Act x, int64_t row0, int64_t cs, int64_t real, Act out, bool with_shared) = 0;
-  // The shared experts of layer l on the first `rows` rows of x -> out (TP-sharded: this rank's partial sum).
-  virtual void shared_mlp(int layer, Act x, int64_t rows, Act out) = 0;
+  // The MoE of layer l on rows [row0, row0 + real) of x (a shard of cs rows, the rest padding). shared = Own:
+  // out [cs, D] = routed + shared experts of those rows (replicated shared weights). shared = TpAllRows: out's
+  // first m rows = this rank's TP partial sum of the shared experts on all m rows of x (x from row 0, rows
+  // >= m untouched), the routed part of rows [row0, row0 + real) added into it (one all-reduce then sums
+  // both). Collective over the world (EP): every rank calls it in every MoE layer, real = 0 included.
+  virtual void moe(int layer, Act x, int64_t row0, int64_t cs, int64_t real, Act out, SharedPart shared) = 0;
   // The dense MLP on the first `rows` rows of x -> out (TP-sharded: this rank's partial sum).
   virtual void dense(int layer, Act x, int64_t rows, Act out) = 0;
   // The vocab-parallel lm_head on m rows of h: logits [m, V] on every TP rank.

@@ -96,8 +96,9 @@ void run_layers(bool stock, StepBackend& be, const ModelConfig& c, const LayerPl
   be.begin(stock ? StepKind::Stock : StepKind::Hybrid, r);
   if (r.m == 0) {
     // An idle replica: only the EP exchanges of the MoE layers (the other replicas' rows).
+    const SharedPart shared = w.ffn_tp ? SharedPart::TpAllRows : SharedPart::Own;
     for (int l = 0; l < c.num_layers; ++l)
-      if (plan.layers[l].ffn == FfnKind::MoE) be.moe(l, Act::X, 0, 0, 0, Act::F, !w.ffn_tp);
+      if (plan.layers[l].ffn == FfnKind::MoE) be.moe(l, Act::X, 0, 0, 0, Act::F, shared);
     return;
   }
   const int64_t res_rows = stock ? r.cs : r.m;
@@ -128,14 +129,13 @@ void run_layers(bool stock, StepBackend& be, const ModelConfig& c, const LayerPl
       be.dense(l, Act::X, stock ? r.real : r.m, Act::F);
       if (w.ffn_tp) be.all_reduce(Act::F, r.m);  // the partial sums of the rank's intermediate slices
     } else if (stock) {
-      be.moe(l, Act::X, 0, r.cs, r.real, Act::F, true);
+      be.moe(l, Act::X, 0, r.cs, r.real, Act::F, SharedPart::Own);
     } else if (w.ffn_tp) {
       // The shared partial of all rows, the routed rows of this rank's shard added into it: one all-reduce.
-      be.shared_mlp(l, Act::X, r.m, Act::F);
-      be.moe(l, Act::X, r.r0, r.cs, r.real, Act::F, false);
+      be.moe(l, Act::X, r.r0, r.cs, r.real, Act::F, SharedPart::TpAllRows);
       be.all_reduce(Act::F, r.m);
     } else {
-      be.moe(l, Act::X, r.r0, r.cs, r.real, Act::Sharded, true);
+      be.moe(l, Act::X, r.r0, r.cs, r.real, Act::Sharded, SharedPart::Own);
       be.all_gather_rows(Act::Sharded, Act::F, r.m);
     }
     if (listed(aux, l + 1)) be.capture_aux(true, res_rows, stock);

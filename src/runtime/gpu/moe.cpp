@@ -4,6 +4,8 @@
 //   -> the routed experts (local, loopback, or the EP exchange over the world; with the latent down
 //      TP-sharded, every member routes all m rows and sends its columns of z, ops/ep.h)
 //   -> y = RMSNorm(sum) (in the combine's kernel) -> shared(x), then W_up y added into it (linear_add);
+//   TP-sharded shared experts (hybrid step): their partial sum on all m rows, their gate / up in the router's
+//   group where the latent down is sliced too (the SiTU in the tensor-core kernel's epilogue at its rows);
 //   dense: the SiTU-GLU MLP.
 #include "ops/elementwise.h"
 #include "ops/ep.h"
@@ -19,32 +21,69 @@ namespace cu = ops::cuda;
 
 #define K3_LAUNCH(expr) CUDA_CHECK(static_cast<cudaError_t>(expr))
 
-// The MoE of layer l on rows [row0, row0 + real) of x -> out [real, D] (with_shared = false: added into out's
-// rows [row0, row0 + real), which hold the shared experts' TP partial sum). With the latent down TP-sharded
-// (w.down_rows < L) all m rows of the group are routed here, the same top-k on every member, and z holds this
-// member's Ll columns of them (ops/ep.h's sliced exchange). With real collectives every rank calls it for
+// The MoE of layer l on rows [row0, row0 + real) of x -> out [real, D] (step_backend.h; TpAllRows: out's m
+// rows hold this rank's TP partial of the shared experts on all m rows, the routed rows added into them). With
+// the latent down TP-sharded (w.down_rows < L) all m rows of the group are routed here, the same top-k on every
+// member, and z holds this member's Ll columns of them (ops/ep.h's sliced exchange); the router, the latent
+// down and the shared gate / up then read the same m rows and run as one projection group, except where
+// linear_glu would fuse the SiTU into its rows kernel (one row). With real collectives every rank calls it for
 // every MoE layer, real = 0 included (the EP exchange spans the world).
-void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, bool with_shared) {
+void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, SharedPart shared) {
   const MoeWeights& w = weights_.w.layers[l].moe;
   const auto& e = c_.moe;
   const int64_t D = c_.hidden_size, E = e.num_experts, L = e.latent_size, I = e.intermediate_size,
                 S = w.shared_rows, Ll = w.down_rows;
-  const bool sliced = Ll < L;
+  const bool sliced = Ll < L, own = shared == SharedPart::Own;
   const int64_t routed = sliced ? rows_.m : real, own0 = sliced ? row0 : 0;
+  const ops::SituParams situ{c_.situ_beta, c_.situ_linear_beta};
+  // The shared experts in the router's group: all m rows routed here and past the fused one-row GLU.
+  const bool grouped_shared = !own && sliced && routed > cu::linear_rows_kernel_max_rows();
+  if (!own && !grouped_shared && rows_.m > 0) {
+    mark("moe.shared");
+    Carve scratch = layer_scratch();
+    bf16* mlp = carve_shared(scratch, dims_, rows_.m);  // in stream order before the MoE's use of the scratch
+    K3_LAUNCH(cu::mlp(ctx_, act(xa), w.shared_gate, w.shared_up, w.shared_down, act(outa), rows_.m, D, S, situ,
+                      mlp));
+  }
   if (routed == 0 && !coll_.real()) return;
   auto* s = ctx_.stream;
   const int k = e.experts_per_token;
-  const ops::SituParams situ{c_.situ_beta, c_.situ_linear_beta};
   const bf16* x = act(xa) + row0 * D;
-  bf16* out = act(outa) + (with_shared ? 0 : row0 * D);
+  bf16* out = act(outa) + (own ? 0 : row0 * D);
   Carve scratch = layer_scratch();
   const MoeScratch m = carve_moe(scratch, c_, dims_, routed);
   const cu::RowNorm norm{w.norm, c_.rms_norm_eps};  // the latent norm, applied by each combine
   mark("moe.router_down");
   if (routed > 0) {
-    // The router logits (FP32) and the latent down projection read the same rows: one group.
-    const cu::LinearOut px[2] = {{w.gate, m.logits, E, /*y_f32=*/true}, {w.down, m.z, Ll}};
-    K3_LAUNCH(cu::linear_group(ctx_, sliced ? act(xa) : x, routed, D, px, 2));
+    // The router logits (FP32) and the latent down projection read the same rows: one group (with the shared
+    // experts' gate and up where grouped_shared, into m.mlp [2 m S]).
+    const bf16* xg = sliced ? act(xa) : x;
+    const cu::LinearOut px[4] = {{w.gate, m.logits, E, /*y_f32=*/true},
+                                 {w.down, m.z, Ll},
+                                 {w.shared_gate, m.mlp, S},
+                                 {w.shared_up, m.mlp + routed * S, S}};
+    if (grouped_shared) {
+      // h = situ_glu(gate, up) into m.mlp: the tensor-core kernel's GLU member where it takes these rows
+      // (the SiTU in its epilogue), else the group of four and situ_glu; then the shared down into out.
+      cu::LinearOut glu[3] = {px[0], px[1], {w.shared_gate, m.mlp, S}};
+      glu[2].w_up = w.shared_up;
+      glu[2].glu_beta = situ.beta;
+      glu[2].glu_linear_beta = situ.linear_beta;
+      int e = cudaErrorNotSupported;
+      if (cu::linear_glu_tc_takes(routed)) e = cu::linear_rows_tc(ctx_, xg, D, routed, D, glu, 3);
+      if (e == cudaErrorNotSupported) {
+        K3_LAUNCH(cu::linear_group(ctx_, xg, routed, D, px, 4));
+        mark("moe.shared");
+        K3_LAUNCH(cu::situ_glu(m.mlp, m.mlp + routed * S, m.mlp, routed * S, situ, s));
+      } else {
+        K3_LAUNCH(e);
+        mark("moe.shared");
+      }
+      K3_LAUNCH(cu::linear(ctx_, m.mlp, w.shared_down, act(outa), false, routed, S, D));
+      mark("moe.router_down");
+    } else {
+      K3_LAUNCH(cu::linear_group(ctx_, xg, routed, D, px, 2));
+    }
     K3_LAUNCH(cu::route(m.logits, w.gate_bias, routed, static_cast<int>(E), k, e.renormalize, e.routed_scaling_factor,
                         m.idx, m.wts, s));
   }
@@ -73,9 +112,9 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, 
     K3_LAUNCH(cu::rmsnorm(got, norm.w, m.y, real, L, norm.eps, s));
   }
   mark("moe.norm_up");
-  // The shared experts' output first (with_shared = false: their TP partial sum is already in out, shared_mlp),
-  // then W_up y added into it in the projection's epilogue.
-  if (with_shared) {
+  // The shared experts' output first (TpAllRows: their TP partial sum is already in out), then W_up y added
+  // into it in the projection's epilogue.
+  if (own) {
     mark("moe.shared");
     K3_LAUNCH(cu::mlp(ctx_, x, w.shared_gate, w.shared_up, w.shared_down, out, real, D, S, situ, m.mlp));
     mark("moe.norm_up");
@@ -131,16 +170,6 @@ void GpuRank::ep_experts(int l, const MoeScratch& m, int64_t routed, int64_t own
   }
   mark("moe.combine");
   K3_LAUNCH(cu::ep_combine(m.send, m.slot, m.wts + own0 * k, real, k, L, m.y, s, norm));
-}
-
-void GpuRank::shared_mlp(int l, Act x, int64_t rows, Act out) {
-  mark("moe.shared");
-  const MoeWeights& w = weights_.w.layers[l].moe;
-  Carve scratch = layer_scratch();
-  bf16* mlp = carve_shared(scratch, dims_, rows);
-  if (rows > 0)
-    K3_LAUNCH(cu::mlp(ctx_, act(x), w.shared_gate, w.shared_up, w.shared_down, act(out), rows, c_.hidden_size,
-                      w.shared_rows, ops::SituParams{c_.situ_beta, c_.situ_linear_beta}, mlp));
 }
 
 void GpuRank::dense(int l, Act x, int64_t rows, Act out) {
