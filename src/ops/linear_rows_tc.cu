@@ -27,6 +27,7 @@
 // stays in L1. The warps' FP32 partials meet in shared memory and are summed in warp order, one fixed
 // order per output: the same bits on every run for a shape. The row tile is the fastest grid index (the
 // CTAs that read the same W rows run together); projection j's CTAs follow projection j - 1's in one grid.
+#include <atomic>
 #include <type_traits>
 
 #include "core/env.h"
@@ -176,7 +177,16 @@ bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in,
          rows <= linear_rows_tc_max_rows() && linear_rows_tc_fits(x, x_ld, in, outs, n);
 }
 
+namespace {
+std::atomic<int> g_glu_tc{-1};  // linear_glu_tc_force's value, -1: the environment's
+}  // namespace
+
+void linear_glu_tc_force(int on) { g_glu_tc.store(on < 0 ? -1 : on > 0 ? 1 : 0, std::memory_order_relaxed); }
+
 bool linear_glu_tc_takes(int64_t rows) {
+  static const bool env_on = env_int("K3_LINEAR_GLU_TC", 0, 1, 0) == 1;
+  const int forced = g_glu_tc.load(std::memory_order_relaxed);
+  if (!(forced < 0 ? env_on : forced == 1)) return false;
   return rows >= kLinearRowsTcMinRows && rows > linear_rows_kernel_max_rows() && rows <= linear_rows_tc_max_rows();
 }
 

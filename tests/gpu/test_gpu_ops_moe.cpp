@@ -205,6 +205,11 @@ TEST(CudaMoe, LinearGluFusedIsTheGroupAndSituBitwise) {
                         {3, 7168, 768, 0, 0},  {5, 264, 33, 0, 0},  {8, 7168, 4224, 0, 0}, {4, 7168, 768, 1, 0},
                         {7, 264, 40, 0, 1},    {6, 100, 37, 0, 0}};
   uint64_t seed = 8500;
+  // The GLU member where it takes the rows (off by default until measured), the environment's again after.
+  struct GluTcOn {
+    GluTcOn() { ops::cuda::linear_glu_tc_force(1); }
+    ~GluTcOn() { ops::cuda::linear_glu_tc_force(-1); }
+  } glu_tc_on;
   for (const auto& c : cases) {
     SCOPED_TRACE(testing::Message() << "rows " << c.rows << " D " << c.D << " I " << c.I << " x+" << c.x_off
                                     << " up+" << c.up_off);

@@ -28,6 +28,7 @@
 #include "../parallel_script.h"
 #include "gpu_test_util.h"
 #include "io/synthetic.h"
+#include "ops/linear.h"
 #include "runtime/cluster.h"
 #include "runtime/engine.h"
 #include "runtime/gpu/cluster.h"
@@ -254,17 +255,23 @@ TEST_P(GpuParallel, MatchesCpuSingleRank) {
     const Script s = make_script(L.dp, static_cast<int>(V));
     const auto ref = play_reference(m, s);
     std::map<StepKind, std::vector<std::vector<std::vector<float>>>> runs;
-    // Stock, hybrid, and hybrid with the shared experts / dense MLP TP-sharded (ffn tp).
-    for (int mode = 0; mode < 3; ++mode) {
+    // Stock, hybrid, and hybrid with the shared experts / dense MLP TP-sharded (ffn tp); with TP, ffn tp
+    // again with the shared experts in the router's group and the tc GLU member (moe_shared_group,
+    // linear_glu_tc_force: off by default until measured).
+    for (int mode = 0; mode < 4; ++mode) {
+      if (mode == 3 && L.tp == 1) continue;
       const StepKind kind = mode == 0 ? StepKind::Stock : StepKind::Hybrid;
-      const SharedExperts shared = mode == 2 ? SharedExperts::Tp : SharedExperts::Replicated;
-      const std::string label = mode == 2 ? "tp-ffn" : step_kind_name(kind);
+      const SharedExperts shared = mode >= 2 ? SharedExperts::Tp : SharedExperts::Replicated;
+      const std::string label = mode == 3 ? "tp-grp" : mode == 2 ? "tp-ffn" : step_kind_name(kind);
       const std::string what = layout_name(GetParam()) + " " + variant + " " + label;
       SCOPED_TRACE(what);
       GpuRankOptions go = gpu_opts();
       go.steps.shared = shared;
+      go.moe_shared_group = mode == 3;
+      ops::cuda::linear_glu_tc_force(mode == 3 ? 1 : -1);
       LocalGpuCluster cluster(*m.src, m.config, go, L);
       auto per_rank = play_gpu(cluster, s, kind, what);
+      ops::cuda::linear_glu_tc_force(-1);
       Ratio r;
       for (int w = 0; w < L.world(); ++w) {
         const int p = L.replica(w), lead = p * L.tp;

@@ -7,6 +7,7 @@
 //   TP-sharded shared experts (hybrid step): their partial sum on all m rows, their gate / up in the router's
 //   group where the latent down is sliced too (the SiTU in the tensor-core kernel's epilogue at its rows);
 //   dense: the SiTU-GLU MLP.
+#include "core/env.h"
 #include "ops/elementwise.h"
 #include "ops/ep.h"
 #include "ops/linear.h"
@@ -19,14 +20,19 @@ namespace k3 {
 
 namespace cu = ops::cuda;
 
+bool moe_shared_group_default() {
+  static const bool on = env_int("K3_MOE_SHARED_GROUP", 0, 1, 0) == 1;
+  return on;
+}
+
 #define K3_LAUNCH(expr) CUDA_CHECK(static_cast<cudaError_t>(expr))
 
 // The MoE of layer l on rows [row0, row0 + real) of x -> out [real, D] (step_backend.h; TpAllRows: out's m
 // rows hold this rank's TP partial of the shared experts on all m rows, the routed rows added into them). With
 // the latent down TP-sharded (w.down_rows < L) all m rows of the group are routed here, the same top-k on every
 // member, and z holds this member's Ll columns of them (ops/ep.h's sliced exchange); the router, the latent
-// down and the shared gate / up then read the same m rows and run as one projection group, except where
-// linear_glu would fuse the SiTU into its rows kernel (one row). With real collectives every rank calls it for
+// down and the shared gate / up then read the same m rows and, with moe_shared_group (options.h), run as one
+// projection group, except where linear_glu would fuse the SiTU into its rows kernel (one row). With real collectives every rank calls it for
 // every MoE layer, real = 0 included (the EP exchange spans the world).
 void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, SharedPart shared) {
   const MoeWeights& w = weights_.w.layers[l].moe;
@@ -37,7 +43,7 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, 
   const int64_t routed = sliced ? rows_.m : real, own0 = sliced ? row0 : 0;
   const ops::SituParams situ{c_.situ_beta, c_.situ_linear_beta};
   // The shared experts in the router's group: all m rows routed here and past the fused one-row GLU.
-  const bool grouped_shared = !own && sliced && routed > cu::linear_rows_kernel_max_rows();
+  const bool grouped_shared = o_.moe_shared_group && !own && sliced && routed > cu::linear_rows_kernel_max_rows();
   if (!own && !grouped_shared && rows_.m > 0) {
     mark("moe.shared");
     Carve scratch = layer_scratch();

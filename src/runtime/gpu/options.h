@@ -11,6 +11,8 @@
 
 namespace k3 {
 
+bool moe_shared_group_default();  // K3_MOE_SHARED_GROUP (0 or 1, default 0), read once (gpu/moe.cpp)
+
 struct GpuRankOptions {
   int max_slots = 8;
   int max_batch = 8;            // requests per step
@@ -22,6 +24,10 @@ struct GpuRankOptions {
   bool loopback = false;        // collectives move bytes only (tp_size / world_size > 1)
   RankGroups* groups = nullptr; // real collectives: this rank's device comms (outlive the GpuRank)
   StepOptions steps;            // the step a decoder takes (choose_step)
+  // The hybrid step's TP-sharded shared experts in the router's projection group where the latent down is
+  // sliced and the rows are past one (gpu/moe.cpp); default K3_MOE_SHARED_GROUP (0: not yet measured in the
+  // step, docs/PERF.md).
+  bool moe_shared_group = moe_shared_group_default();
 };
 
 // The collectives' mode of these options (runtime/gpu/collectives.h): one rank, loopback, or real.
