@@ -146,9 +146,8 @@ constexpr int64_t kLinearRowsTcMaxRows = 8;
 int64_t linear_rows_tc_max_rows();
 // Whether linear_glu (ops/moe.h) and the MoE's shared-expert group (runtime/gpu/moe.cpp) take the tensor-core
 // kernel's GLU member at `rows` rows: the tc group's row counts (kLinearRowsTcMinRows ..
-// linear_rows_tc_max_rows(), past the rows kernel's) when K3_LINEAR_GLU_TC=1 (default 0: not yet measured in
-// the step, docs/PERF.md) or linear_glu_tc_force(1); linear_glu_tc_force(0) turns it off, -1 back to the
-// environment's.
+// linear_rows_tc_max_rows(), past the rows kernel's) unless K3_LINEAR_GLU_TC=0 (default 1, docs/PERF.md) or
+// linear_glu_tc_force(0); linear_glu_tc_force(1) turns it on, -1 back to the environment's.
 bool linear_glu_tc_takes(int64_t rows);
 void linear_glu_tc_force(int on);
 bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n);

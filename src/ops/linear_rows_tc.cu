@@ -184,7 +184,7 @@ std::atomic<int> g_glu_tc{-1};  // linear_glu_tc_force's value, -1: the environm
 void linear_glu_tc_force(int on) { g_glu_tc.store(on < 0 ? -1 : on > 0 ? 1 : 0, std::memory_order_relaxed); }
 
 bool linear_glu_tc_takes(int64_t rows) {
-  static const bool env_on = env_int("K3_LINEAR_GLU_TC", 0, 1, 0) == 1;
+  static const bool env_on = env_int("K3_LINEAR_GLU_TC", 0, 1, 1) == 1;
   const int forced = g_glu_tc.load(std::memory_order_relaxed);
   if (!(forced < 0 ? env_on : forced == 1)) return false;
   return rows >= kLinearRowsTcMinRows && rows > linear_rows_kernel_max_rows() && rows <= linear_rows_tc_max_rows();

@@ -592,7 +592,8 @@ TEST(CudaLinearRowsTc, TakesOnlyWhatItFits) {
 // and latent down's (4480 x 7168), never at 8; never for one projection.
 TEST(CudaLinearGroup, TakesTheRowsAndGroupsItWasMeasuredToWin) {
   for (const char* knob :
-       {"K3_LINEAR_GROUP", "K3_LINEAR_GROUP_ROWS_MAX", "K3_LINEAR_ROWS_MAX", "K3_LINEAR_TC_ROWS_MAX"})
+       {"K3_LINEAR_GROUP", "K3_LINEAR_GROUP_ROWS_MAX", "K3_LINEAR_ROWS_MAX", "K3_LINEAR_TC_ROWS_MAX",
+        "K3_LINEAR_GLU_TC"})
     if (std::getenv(knob) != nullptr) GTEST_SKIP() << knob << " is set";
   alignas(16) static bf16 x[8], w[8], y[8];
   auto group = [](std::vector<int64_t> outs) {
@@ -640,6 +641,11 @@ TEST(CudaLinearGroup, TakesTheRowsAndGroupsItWasMeasuredToWin) {
     EXPECT_FALSE(ops::cuda::linear_rows_tc_fits(x, 7172, 7168, g->data(), n));  // x_ld % 8 != 0
   }
   for (int64_t rows = 1; rows <= 64; ++rows) EXPECT_FALSE(tc(rows, one)) << rows;
+  // linear_glu's GLU member (and the MoE's shared group): the tc group's rows, measured to win at 4 and 8
+  // (docs/PERF.md, "Projection groups across backend calls").
+  for (int64_t rows = 1; rows <= 64; ++rows)
+    EXPECT_EQ(ops::cuda::linear_glu_tc_takes(rows), rows >= kLinearRowsTcMinRows && rows <= kLinearRowsTcMaxRows)
+        << rows;
   // Loads one stage ahead where that was measured to win alone (bench --ops linear, H100, 132 SMs, 8 rows):
   // MLA's group (228 CTAs) and the sliced router + latent down (84) and the TP shared experts' gate/up (96);
   // not the router + latent down (280), DSA's q_b + wq_b (400) or the dense MLP's gate/up (528).

@@ -205,7 +205,7 @@ TEST(CudaMoe, LinearGluFusedIsTheGroupAndSituBitwise) {
                         {3, 7168, 768, 0, 0},  {5, 264, 33, 0, 0},  {8, 7168, 4224, 0, 0}, {4, 7168, 768, 1, 0},
                         {7, 264, 40, 0, 1},    {6, 100, 37, 0, 0}};
   uint64_t seed = 8500;
-  // The GLU member where it takes the rows (off by default until measured), the environment's again after.
+  // The GLU member where it takes the rows (whatever K3_LINEAR_GLU_TC says), the environment's again after.
   struct GluTcOn {
     GluTcOn() { ops::cuda::linear_glu_tc_force(1); }
     ~GluTcOn() { ops::cuda::linear_glu_tc_force(-1); }

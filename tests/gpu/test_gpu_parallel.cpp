@@ -255,9 +255,9 @@ TEST_P(GpuParallel, MatchesCpuSingleRank) {
     const Script s = make_script(L.dp, static_cast<int>(V));
     const auto ref = play_reference(m, s);
     std::map<StepKind, std::vector<std::vector<std::vector<float>>>> runs;
-    // Stock, hybrid, and hybrid with the shared experts / dense MLP TP-sharded (ffn tp); with TP, ffn tp
-    // again with the shared experts in the router's group and the tc GLU member (moe_shared_group,
-    // linear_glu_tc_force: off by default until measured).
+    // Stock, hybrid, and hybrid with the shared experts / dense MLP TP-sharded (ffn tp) without the shared
+    // group and the tc GLU member; with TP, ffn tp again with both (moe_shared_group, linear_glu_tc_force: the
+    // defaults), each path whatever the environment says.
     for (int mode = 0; mode < 4; ++mode) {
       if (mode == 3 && L.tp == 1) continue;
       const StepKind kind = mode == 0 ? StepKind::Stock : StepKind::Hybrid;
@@ -268,7 +268,7 @@ TEST_P(GpuParallel, MatchesCpuSingleRank) {
       GpuRankOptions go = gpu_opts();
       go.steps.shared = shared;
       go.moe_shared_group = mode == 3;
-      ops::cuda::linear_glu_tc_force(mode == 3 ? 1 : -1);
+      ops::cuda::linear_glu_tc_force(mode == 3 ? 1 : mode == 2 ? 0 : -1);
       LocalGpuCluster cluster(*m.src, m.config, go, L);
       auto per_rank = play_gpu(cluster, s, kind, what);
       ops::cuda::linear_glu_tc_force(-1);

@@ -21,7 +21,7 @@ namespace k3 {
 namespace cu = ops::cuda;
 
 bool moe_shared_group_default() {
-  static const bool on = env_int("K3_MOE_SHARED_GROUP", 0, 1, 0) == 1;
+  static const bool on = env_int("K3_MOE_SHARED_GROUP", 0, 1, 1) == 1;
   return on;
 }
 
@@ -32,7 +32,8 @@ bool moe_shared_group_default() {
 // the latent down TP-sharded (w.down_rows < L) all m rows of the group are routed here, the same top-k on every
 // member, and z holds this member's Ll columns of them (ops/ep.h's sliced exchange); the router, the latent
 // down and the shared gate / up then read the same m rows and, with moe_shared_group (options.h), run as one
-// projection group, except where linear_glu would fuse the SiTU into its rows kernel (one row). With real collectives every rank calls it for
+// projection group at 2 to linear_rows_tc_max_rows() rows (at one row linear_glu fuses the SiTU into its rows
+// kernel). With real collectives every rank calls it for
 // every MoE layer, real = 0 included (the EP exchange spans the world).
 void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, SharedPart shared) {
   const MoeWeights& w = weights_.w.layers[l].moe;
@@ -42,8 +43,10 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, 
   const bool sliced = Ll < L, own = shared == SharedPart::Own;
   const int64_t routed = sliced ? rows_.m : real, own0 = sliced ? row0 : 0;
   const ops::SituParams situ{c_.situ_beta, c_.situ_linear_beta};
-  // The shared experts in the router's group: all m rows routed here and past the fused one-row GLU.
-  const bool grouped_shared = o_.moe_shared_group && !own && sliced && routed > cu::linear_rows_kernel_max_rows();
+  // The shared experts in the router's group: all m rows routed here, past the fused one-row GLU and within
+  // the tensor-core group's rows (past them the group of four is the same launches as mlp's, nothing gained).
+  const bool grouped_shared = o_.moe_shared_group && !own && sliced && routed > cu::linear_rows_kernel_max_rows() &&
+                              routed <= cu::linear_rows_tc_max_rows();
   if (!own && !grouped_shared && rows_.m > 0) {
     mark("moe.shared");
     Carve scratch = layer_scratch();

@@ -11,7 +11,7 @@
 
 namespace k3 {
 
-bool moe_shared_group_default();  // K3_MOE_SHARED_GROUP (0 or 1, default 0), read once (gpu/moe.cpp)
+bool moe_shared_group_default();  // K3_MOE_SHARED_GROUP (0 or 1, default 1), read once (gpu/moe.cpp)
 
 struct GpuRankOptions {
   int max_slots = 8;
@@ -25,8 +25,8 @@ struct GpuRankOptions {
   RankGroups* groups = nullptr; // real collectives: this rank's device comms (outlive the GpuRank)
   StepOptions steps;            // the step a decoder takes (choose_step)
   // The hybrid step's TP-sharded shared experts in the router's projection group where the latent down is
-  // sliced and the rows are past one (gpu/moe.cpp); default K3_MOE_SHARED_GROUP (0: not yet measured in the
-  // step, docs/PERF.md).
+  // sliced and the rows are past one and within the tensor-core group's (gpu/moe.cpp); default
+  // K3_MOE_SHARED_GROUP (1 unless set to 0, docs/PERF.md).
   bool moe_shared_group = moe_shared_group_default();
 };
 
