@@ -172,22 +172,25 @@ int64_t linear_rows_tc_max_rows() {
 
 bool linear_rows_tc_pipelined(int64_t ctas, int sms) { return ctas <= kLinearRowsTcPipeCtasPerSm * int64_t{sms}; }
 
-bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n) {
-  return n >= 2 && rows >= kLinearRowsTcMinRows && rows > linear_rows_kernel_max_rows() &&
-         rows <= linear_rows_tc_max_rows() && linear_rows_tc_fits(x, x_ld, in, outs, n);
+namespace {
+// The tensor-core group's row counts: past the rows kernel's, kLinearRowsTcMinRows .. linear_rows_tc_max_rows().
+bool tc_rows(int64_t rows) {
+  return rows >= kLinearRowsTcMinRows && rows > linear_rows_kernel_max_rows() && rows <= linear_rows_tc_max_rows();
 }
 
-namespace {
 std::atomic<int> g_glu_tc{-1};  // linear_glu_tc_force's value, -1: the environment's
 }  // namespace
+
+bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n) {
+  return n >= 2 && tc_rows(rows) && linear_rows_tc_fits(x, x_ld, in, outs, n);
+}
 
 void linear_glu_tc_force(int on) { g_glu_tc.store(on < 0 ? -1 : on > 0 ? 1 : 0, std::memory_order_relaxed); }
 
 bool linear_glu_tc_takes(int64_t rows) {
   static const bool env_on = env_int("K3_LINEAR_GLU_TC", 0, 1, 1) == 1;
   const int forced = g_glu_tc.load(std::memory_order_relaxed);
-  if (!(forced < 0 ? env_on : forced == 1)) return false;
-  return rows >= kLinearRowsTcMinRows && rows > linear_rows_kernel_max_rows() && rows <= linear_rows_tc_max_rows();
+  return (forced < 0 ? env_on : forced == 1) && tc_rows(rows);
 }
 
 bool linear_rows_tc_fits(const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n) {

@@ -257,10 +257,7 @@ int linear_glu(const Context& ctx, const bf16* x, const bf16* w_gate, const bf16
   }
   if (fused && linear_glu_tc_takes(rows)) {
     // The tensor-core kernel's GLU member: the group's bits and the SiTU in its epilogue, one launch.
-    LinearOut glu{w_gate, h, I};
-    glu.w_up = w_up;
-    glu.glu_beta = p.beta;
-    glu.glu_linear_beta = p.linear_beta;
+    const LinearOut glu = glu_member(w_gate, w_up, h, I, p);
     const int e = linear_rows_tc(ctx, x, D, rows, D, &glu, 1);
     if (e != cudaErrorNotSupported) return e;
   }

@@ -15,6 +15,7 @@
 
 #include "core/bf16.h"
 #include "ops/cuda_context.h"
+#include "ops/linear.h"
 #include "ops/rmsnorm.h"
 
 namespace k3::ops {
@@ -75,6 +76,16 @@ int expert_mlp(const bf16* z, Mxfp4Matrix w1, Mxfp4Matrix w3, Mxfp4Matrix w2, bf
 // through scratch BF16 [2 rows I] (h may be its first half).
 int linear_glu(const Context& ctx, const bf16* x, const bf16* w_gate, const bf16* w_up, bf16* h, int64_t rows,
                int64_t D, int64_t I, SituParams p, bf16* scratch, bool fused = true);
+
+// The tensor-core group's GLU member for h [rows, I] = situ_glu(x W_gate^T, x W_up^T) (linear.h,
+// LinearOut::w_up): what linear_glu launches, and what a caller puts beside other projections of the same x.
+inline LinearOut glu_member(const bf16* w_gate, const bf16* w_up, bf16* h, int64_t I, SituParams p) {
+  LinearOut o{w_gate, h, I};
+  o.w_up = w_up;
+  o.glu_beta = p.beta;
+  o.glu_linear_beta = p.linear_beta;
+  return o;
+}
 
 // BF16 MLP, as the CPU mlp: x [rows, D]; w_gate, w_up [I, D]; w_down [D, I]; out [rows, D] BF16;
 // scratch BF16 [2 * rows * I]. linear_glu, then the down projection.

@@ -271,12 +271,9 @@ TEST(CudaLinearRowsTc, GluMemberIsTheGroupAndSituBitwise) {
                    nh = static_cast<size_t>(rows * c.I);
       DeviceBuffer r1(nr * 4), d1(nd * 2), h1(nh * 2), r2(nr * 4), d2(nd * 2), a2(nh * 2), b2(nh * 2);
       for (DeviceBuffer* b : {&r1, &d1, &h1}) CUDA_CHECK(cudaMemsetAsync(b->get(), 0xff, b->bytes(), st()));
-      cu::LinearOut glu[3] = {{dr.get<bf16>(), r1.get(), c.f32_out, true},
-                              {dd.get<bf16>(), d1.get(), c.bf16_out},
-                              {dg.get<bf16>(), h1.get(), c.I}};
-      glu[2].w_up = du.get<bf16>();
-      glu[2].glu_beta = kSitu.beta;
-      glu[2].glu_linear_beta = kSitu.linear_beta;
+      const cu::LinearOut glu[3] = {{dr.get<bf16>(), r1.get(), c.f32_out, true},
+                                    {dd.get<bf16>(), d1.get(), c.bf16_out},
+                                    cu::glu_member(dg.get<bf16>(), du.get<bf16>(), h1.get<bf16>(), c.I, kSitu)};
       ASSERT_EQ(cu::linear_rows_tc(ctx(), dx.get<bf16>(), c.in, rows, c.in, glu, 3), 0);
       const cu::LinearOut four[4] = {{dr.get<bf16>(), r2.get(), c.f32_out, true},
                                      {dd.get<bf16>(), d2.get(), c.bf16_out},

@@ -33,8 +33,8 @@ bool moe_shared_group_default() {
 // member, and z holds this member's Ll columns of them (ops/ep.h's sliced exchange); the router, the latent
 // down and the shared gate / up then read the same m rows and, with moe_shared_group (options.h), run as one
 // projection group at 2 to linear_rows_tc_max_rows() rows (at one row linear_glu fuses the SiTU into its rows
-// kernel). With real collectives every rank calls it for
-// every MoE layer, real = 0 included (the EP exchange spans the world).
+// kernel). With real collectives every rank calls it for every MoE layer, real = 0 included (the EP exchange
+// spans the world).
 void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, SharedPart shared) {
   const MoeWeights& w = weights_.w.layers[l].moe;
   const auto& e = c_.moe;
@@ -74,18 +74,15 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, 
     if (grouped_shared) {
       // h = situ_glu(gate, up) into m.mlp: the tensor-core kernel's GLU member where it takes these rows
       // (the SiTU in its epilogue), else the group of four and situ_glu; then the shared down into out.
-      cu::LinearOut glu[3] = {px[0], px[1], {w.shared_gate, m.mlp, S}};
-      glu[2].w_up = w.shared_up;
-      glu[2].glu_beta = situ.beta;
-      glu[2].glu_linear_beta = situ.linear_beta;
-      int e = cudaErrorNotSupported;
-      if (cu::linear_glu_tc_takes(routed)) e = cu::linear_rows_tc(ctx_, xg, D, routed, D, glu, 3);
-      if (e == cudaErrorNotSupported) {
+      const cu::LinearOut glu[3] = {px[0], px[1], cu::glu_member(w.shared_gate, w.shared_up, m.mlp, S, situ)};
+      int rc = cudaErrorNotSupported;
+      if (cu::linear_glu_tc_takes(routed)) rc = cu::linear_rows_tc(ctx_, xg, D, routed, D, glu, 3);
+      if (rc == cudaErrorNotSupported) {
         K3_LAUNCH(cu::linear_group(ctx_, xg, routed, D, px, 4));
         mark("moe.shared");
         K3_LAUNCH(cu::situ_glu(m.mlp, m.mlp + routed * S, m.mlp, routed * S, situ, s));
       } else {
-        K3_LAUNCH(e);
+        K3_LAUNCH(rc);
         mark("moe.shared");
       }
       K3_LAUNCH(cu::linear(ctx_, m.mlp, w.shared_down, act(outa), false, routed, S, D));
