@@ -40,6 +40,7 @@
 #include "ops/cuda_device.cuh"
 #include "ops/linear.h"
 #include "ops/linear_rows.cuh"
+#include "ops/moe_device.cuh"
 
 namespace k3::ops::cuda {
 namespace {
@@ -88,6 +89,31 @@ __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16
   }
 }
 
+// One CTA's tile of a GLU member (LinearOut::w_up) in linear_rows_group_kernel: block b of the member's grid
+// (row tile b % row_tiles, features f = 2 (b / row_tiles), f + 1), its four weight rows gate f, gate f + 1,
+// up f, up f + 1 (the last valid one past out) accumulated as rows_tile accumulates any four, so each sum
+// has the bits of the gate or up projection as a plain member; then h = situ_glu(bf16(gate), bf16(up)).
+template <int RT, int VEC>
+__device__ __forceinline__ void glu_tile(const bf16* __restrict__ x, const bf16* __restrict__ wg,
+                                         const bf16* __restrict__ wu, bf16* __restrict__ h, int64_t rows, int64_t in,
+                                         int64_t out, int64_t row_tiles, int64_t block, SituParams p,
+                                         float (&red)[kLinThreads / kWarp][kLinOut * RT]) {
+  const int64_t r0 = (block % row_tiles) * RT, f = (block / row_tiles) * 2;
+  const int nr = static_cast<int>(min(static_cast<int64_t>(RT), rows - r0));
+  const int nf = static_cast<int>(min(int64_t{2}, out - f));
+  const bf16* const wrow[kLinOut] = {wg + f * in, wg + (f + nf - 1) * in, wu + f * in, wu + (f + nf - 1) * in};
+  rows_detail::tile_sums<RT, VEC>(x, wrow, r0, nr, in, in, red);
+  const int t = threadIdx.x;
+  if (t < 2 * RT) {
+    const int o = t / RT, r = t % RT;
+    if (o < nf && r < nr) {
+      const float a = detail::bf16_to_float(detail::float_to_bf16(rows_detail::red_sum<RT>(red, o * RT + r)));
+      const float b = detail::bf16_to_float(detail::float_to_bf16(rows_detail::red_sum<RT>(red, (o + 2) * RT + r)));
+      h[(r0 + r) * out + f + o] = detail::float_to_bf16(detail::situ_dev(a, b, p));
+    }
+  }
+}
+
 template <int RT, int VEC>
 __global__ void __launch_bounds__(kLinThreads)
     linear_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, bool y_f32,
@@ -107,7 +133,11 @@ __global__ void __launch_bounds__(kLinThreads)
   detail::pdl_wait();
   detail::pdl_launch_dependents();
   __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
-  rows_tile<RT, VEC>(x, g.w[j], g.y[j], g.y_f32[j], false, rows, in, in, g.out[j], row_tiles, b - g.begin[j], red);
+  if (g.w_up[j] != nullptr)
+    glu_tile<RT, VEC>(x, g.w[j], g.w_up[j], static_cast<bf16*>(g.y[j]), rows, in, g.out[j], row_tiles, b - g.begin[j],
+                      SituParams{g.glu_beta[j], g.glu_linear_beta[j]}, red);
+  else
+    rows_tile<RT, VEC>(x, g.w[j], g.y[j], g.y_f32[j], false, rows, in, in, g.out[j], row_tiles, b - g.begin[j], red);
 }
 
 template <int RT, int VEC>
@@ -142,7 +172,11 @@ int linear_kernel(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f3
 template <int RT, int VEC>
 int launch_rows_group(const bf16* x, GroupArgs g, int64_t rows, int64_t in, cudaStream_t s) {
   const int64_t row_tiles = (rows + RT - 1) / RT;
-  if (!rows_detail::set_begin(g, [&](int j) { return row_tiles * ((g.out[j] + kLinOut - 1) / kLinOut); }))
+  // A GLU member's CTA takes 2 features (4 weight rows, as a plain member's CTA).
+  const auto blocks_of = [&](int j) {
+    return row_tiles * (g.w_up[j] != nullptr ? (g.out[j] + 1) / 2 : (g.out[j] + kLinOut - 1) / kLinOut);
+  };
+  if (!rows_detail::set_begin(g, blocks_of))
     return cudaErrorInvalidConfiguration;
   const int64_t blocks = g.begin[g.n];
   return detail::launch(linear_rows_group_kernel<RT, VEC>, static_cast<unsigned>(blocks), kLinThreads, 0, s, x, g, rows,
@@ -328,15 +362,18 @@ bool linear_group_takes(int64_t rows, const bf16* x, int64_t in, const LinearOut
   if (rows > linear_group_rows_max()) return false;
   if (rows <= kLinearGroupAnyRows) return true;
   int64_t weights = 0;
-  for (int j = 0; j < n; ++j) weights += outs[j].out * in;
+  for (int j = 0; j < n; ++j) weights += outs[j].out * in * (outs[j].w_up != nullptr ? 2 : 1);
   return weights <= kLinearGroupMaxWeights;
 }
+
+int64_t linear_group_glu_max_rows() { return std::max(linear_rows_kernel_max_rows(), kLinearGroupAnyRows); }
 
 bool linear_group_fits(const bf16* x, int64_t in, const LinearOut* outs, int n) {
   if (n < 1 || n > kLinearGroupMax || x == nullptr || in <= 0 || outs == nullptr) return false;
   const bool vec = rows_vec(x, outs[0].w, in);
   for (int j = 0; j < n; ++j)
-    if (outs[j].w == nullptr || outs[j].y == nullptr || outs[j].out <= 0 || rows_vec(x, outs[j].w, in) != vec)
+    if (outs[j].w == nullptr || outs[j].y == nullptr || outs[j].out <= 0 || rows_vec(x, outs[j].w, in) != vec ||
+        (outs[j].w_up != nullptr && (outs[j].y_f32 || rows_vec(x, outs[j].w_up, in) != vec)))
       return false;
   return true;
 }
@@ -344,17 +381,22 @@ bool linear_group_fits(const bf16* x, int64_t in, const LinearOut* outs, int n) 
 int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, int64_t rows, int64_t in,
                      const LinearOut* outs, int n) {
   if (rows < 0 || in <= 0 || n < 0 || n > kLinearGroupMax || (n > 0 && outs == nullptr)) return cudaErrorInvalidValue;
-  for (int j = 0; j < n; ++j)
-    if (outs[j].out <= 0 || outs[j].w_up != nullptr) return cudaErrorInvalidValue;  // GLU: linear_rows_tc only
+  bool glu = false;
+  for (int j = 0; j < n; ++j) {
+    if (outs[j].out <= 0) return cudaErrorInvalidValue;
+    glu = glu || outs[j].w_up != nullptr;
+  }
   if (rows == 0 || n == 0) return cudaSuccess;
-  if (path == LinearGroupPath::GroupedTc ||
-      (path == LinearGroupPath::Auto && linear_rows_tc_takes(rows, x, in, in, outs, n))) {
+  if (path == LinearGroupPath::GroupedTc || (path == LinearGroupPath::Auto && (!glu || linear_glu_tc_takes(rows)) &&
+                                             linear_rows_tc_takes(rows, x, in, in, outs, n))) {
     const int e = linear_rows_tc(ctx, x, in, rows, in, outs, n);
     if (e != cudaErrorNotSupported) return e;
   }
   const bool grouped = path == LinearGroupPath::Grouped ||
-                       (path == LinearGroupPath::Auto && linear_group_takes(rows, x, in, outs, n));
+                       (path == LinearGroupPath::Auto && linear_group_takes(rows, x, in, outs, n) &&
+                        (!glu || rows <= linear_group_glu_max_rows()));
   if (!grouped || !linear_group_fits(x, in, outs, n)) {
+    if (glu) return cudaErrorNotSupported;  // a GLU member runs in a grouped kernel only; nothing enqueued
     const LinearPath each = path == LinearGroupPath::Grouped ? LinearPath::Rows : LinearPath::Auto;
     for (int j = 0; j < n; ++j)
       if (const int e = linear_via(ctx, each, x, outs[j].w, outs[j].y, outs[j].y_f32, rows, in, outs[j].out); e != 0)

@@ -81,12 +81,16 @@ struct LinearOut {
   void* y = nullptr;        // [rows, out], BF16 or FP32 (y_f32)
   int64_t out = 0;
   bool y_f32 = false;
-  // A GLU member (linear_rows_tc only; linear_group refuses it): w_up [out, in] given, y [rows, out] BF16 =
-  // situ_glu(bf16(x W^T), bf16(x W_up^T)) with these betas (ops/moe.h), the bits of the two projections in a
-  // group then situ_glu.
+  // A GLU member: w_up [out, in] given, y [rows, out] BF16 = situ_glu(bf16(x W^T), bf16(x W_up^T)) with these
+  // betas (ops/moe.h), the bits of the two projections as members of the same group then situ_glu. Taken by
+  // linear_rows_tc and by linear_group's two grouped kernels (below); never by separate calls.
   const bf16* w_up = nullptr;
   float glu_beta = 0.f, glu_linear_beta = 0.f;
 };
+// GLU members (LinearOut::w_up): Auto takes the tensor-core kernel for them where linear_glu_tc_takes too, the
+// rows kernel's group at up to linear_group_glu_max_rows() rows (the rows kernel's or kLinearGroupAnyRows,
+// whichever is more), each GLU CTA 2 features x the row tile; where neither takes the group,
+// cudaErrorNotSupported with nothing enqueued (the caller runs the plain group and situ_glu).
 constexpr int kLinearGroupMax = 6;
 int linear_group(const Context& ctx, const bf16* x, int64_t rows, int64_t in, const LinearOut* outs, int n);
 // Auto's choice: one grouped launch for n >= 2 projections that fit it (linear_group_fits) at up to
@@ -100,15 +104,17 @@ constexpr int64_t kLinearGroupAnyRows = 2;
 constexpr int64_t kLinearGroupMaxRows = 4;
 constexpr int64_t kLinearGroupMaxWeights = int64_t{28} << 20;
 bool linear_group_takes(int64_t rows, const bf16* x, int64_t in, const LinearOut* outs, int n);
+int64_t linear_group_glu_max_rows();
 // Auto = linear_group; Grouped = linear_rows_kernel per projection at any row count (tests): the grouped
 // kernel (bitwise linear_via(Rows) per projection), or one linear_via(Rows) each where linear_group_fits is
 // false; Separate = one linear() per projection; GroupedTc = linear_rows_tc at any row count (separate
-// linear() calls where it does not fit).
+// linear() calls where it does not fit). Where a group with a GLU member would take separate calls:
+// cudaErrorNotSupported, nothing enqueued.
 enum class LinearGroupPath { Auto, Grouped, Separate, GroupedTc };
 int linear_group_via(const Context& ctx, LinearGroupPath path, const bf16* x, int64_t rows, int64_t in,
                      const LinearOut* outs, int n);
 // Whether one grouped launch can take the projections (1 <= n <= kLinearGroupMax, pointers given, the same
-// vector width for every w).
+// vector width for every w and w_up, a GLU member's y BF16).
 bool linear_group_fits(const bf16* x, int64_t in, const LinearOut* outs, int n);
 
 // Per-head products (the MLA absorptions): for b < batch, y_b [rows, out] = x_b [rows, in] W_b^T when

@@ -12,7 +12,6 @@
 #include "ops/cuda_bf16.cuh"
 #include "ops/cuda_device.cuh"
 #include "ops/linear.h"
-#include "ops/linear_rows.cuh"
 #include "ops/moe.h"
 #include "ops/moe_device.cuh"
 
@@ -179,30 +178,6 @@ int launch_mxfp4_linear(const bf16* x, const uint8_t* packed, const uint8_t* sca
                         rows, K, N, row_tiles, items);
 }
 
-// linear_glu at the rows kernel's row counts: CTA b takes row b % rows and features f = 2 (b / rows), f + 1;
-// its four weight rows are gate f, gate f + 1, up f, up f + 1 (the last valid one past I), accumulated as
-// the rows kernel accumulates any four (rows_detail::tile_sums: each sum bitwise linear()'s), and threads
-// 0, 1 finish h = situ_glu(bf16(gate sum), bf16(up sum)).
-template <int VEC>
-__global__ void __launch_bounds__(rows_detail::kLinThreads)
-    glu_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ wg, const bf16* __restrict__ wu,
-                    bf16* __restrict__ h, int64_t rows, int64_t in, int64_t out, SituParams p) {
-  detail::pdl_wait();
-  detail::pdl_launch_dependents();
-  __shared__ float red[rows_detail::kLinThreads / kWarp][rows_detail::kLinOut];
-  const int64_t r = blockIdx.x % rows, f = (blockIdx.x / rows) * 2;
-  const int nf = static_cast<int>(min(int64_t{2}, out - f));
-  const bf16* const wrow[rows_detail::kLinOut] = {wg + f * in, wg + (f + nf - 1) * in, wu + f * in,
-                                                  wu + (f + nf - 1) * in};
-  rows_detail::tile_sums<1, VEC>(x, wrow, r, 1, in, in, red);
-  const int t = threadIdx.x;
-  if (t < nf) {
-    const float a = detail::bf16_to_float(detail::float_to_bf16(rows_detail::red_sum<1>(red, t)));
-    const float b = detail::bf16_to_float(detail::float_to_bf16(rows_detail::red_sum<1>(red, t + 2)));
-    h[r * out + f + t] = detail::float_to_bf16(detail::situ_dev(a, b, p));
-  }
-}
-
 unsigned grid_for(int64_t threads_needed, int threads_per_block, int cap_blocks) {
   const int64_t b = (threads_needed + threads_per_block - 1) / threads_per_block;
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, cap_blocks)));
@@ -245,19 +220,14 @@ int linear_glu(const Context& ctx, const bf16* x, const bf16* w_gate, const bf16
   if (rows < 0 || D <= 0 || I <= 0) return cudaErrorInvalidValue;
   if (rows == 0) return cudaSuccess;
   if (x == nullptr || w_gate == nullptr || w_up == nullptr || h == nullptr) return cudaErrorInvalidValue;
-  const bool vec = rows_detail::rows_vec(x, w_gate, D);
-  if (fused && vec == rows_detail::rows_vec(x, w_up, D) && rows <= linear_rows_kernel_max_rows()) {
-    const int64_t blocks = rows * ((I + 1) / 2);
-    if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
-    const auto grid = static_cast<unsigned>(blocks);
-    return vec ? detail::launch(glu_rows_kernel<8>, grid, rows_detail::kLinThreads, 0, ctx.stream, x, w_gate, w_up,
-                                h, rows, D, I, p)
-               : detail::launch(glu_rows_kernel<1>, grid, rows_detail::kLinThreads, 0, ctx.stream, x, w_gate, w_up,
-                                h, rows, D, I, p);
+  const LinearOut glu = glu_member(w_gate, w_up, h, I, p);
+  if (fused && rows <= linear_group_glu_max_rows()) {
+    // The rows kernel's group with the GLU member alone: the group's bits, the SiTU in its epilogue.
+    const int e = linear_group_via(ctx, LinearGroupPath::Grouped, x, rows, D, &glu, 1);
+    if (e != cudaErrorNotSupported) return e;
   }
   if (fused && linear_glu_tc_takes(rows)) {
     // The tensor-core kernel's GLU member: the group's bits and the SiTU in its epilogue, one launch.
-    const LinearOut glu = glu_member(w_gate, w_up, h, I, p);
     const int e = linear_rows_tc(ctx, x, D, rows, D, &glu, 1);
     if (e != cudaErrorNotSupported) return e;
   }

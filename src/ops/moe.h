@@ -68,12 +68,12 @@ int expert_mlp(const bf16* z, Mxfp4Matrix w1, Mxfp4Matrix w3, Mxfp4Matrix w2, bf
                int64_t I, SituParams p, bf16* scratch, CUstream_st* stream);
 
 // As the CPU linear_glu, BF16: x [rows, D] -> h [rows, I] = situ_glu(bf16(x W_gate^T), bf16(x W_up^T)),
-// bitwise linear_group of the two projections then situ_glu. At the rows kernel's row counts (rows <=
-// linear_rows_kernel_max_rows(), linear.h) and both weights equally aligned: one launch, each CTA the rows
-// kernel's tile over gate rows f, f + 1 and up rows f, f + 1 with the SiTU in its epilogue (a kernel and a
-// round trip of [2 rows I] fewer); at the tensor-core group's (linear_glu_tc_takes) where it fits, one
-// launch of its GLU member (linear.h, LinearOut::w_up); otherwise (or fused = false) the group and situ_glu
-// through scratch BF16 [2 rows I] (h may be its first half).
+// bitwise linear_group of the two projections then situ_glu. One launch of a GLU member (linear.h,
+// LinearOut::w_up; a kernel and a round trip of [2 rows I] fewer): at up to linear_group_glu_max_rows() rows
+// with both weights equally aligned, the rows kernel's group (each CTA its tile over gate rows f, f + 1 and
+// up rows f, f + 1, the SiTU in its epilogue); at the tensor-core group's (linear_glu_tc_takes) where it
+// fits, that kernel's; otherwise (or fused = false) the group and situ_glu through scratch BF16 [2 rows I]
+// (h may be its first half).
 int linear_glu(const Context& ctx, const bf16* x, const bf16* w_gate, const bf16* w_up, bf16* h, int64_t rows,
                int64_t D, int64_t I, SituParams p, bf16* scratch, bool fused = true);
 

@@ -187,11 +187,11 @@ TEST(CudaMoe, MlpMatchesCpu) {
   }
 }
 
-// linear_glu: the fused one-launch kernel (the rows kernel's row counts) bitwise against the group of the two
-// projections then situ_glu (fused = false), both against the CPU linear_glu; the K3 per-rank shapes of the
-// shared experts (TP-sharded 768, replicated 6144) and the dense MLP (TP-sharded 4224), odd shapes (I odd: a
-// CTA with one feature), x unaligned (element-wise loads), gate and up unequally aligned (not fused), and 3
-// rows (past the rows kernel's default: the group path either way).
+// linear_glu: the fused one-launch kernels (the rows kernel's group at 1-2 rows, the tensor-core group at 3-8)
+// bitwise against the group of the two projections then situ_glu (fused = false), both against the CPU
+// linear_glu; the K3 per-rank shapes of the shared experts (TP-sharded 768, replicated 6144) and the dense MLP
+// (TP-sharded 4224), odd shapes (I odd: a CTA with one feature), x unaligned (element-wise loads), gate and up
+// unequally aligned (not fused).
 TEST(CudaMoe, LinearGluFusedIsTheGroupAndSituBitwise) {
   K3_REQUIRE_GPU();
   struct Case {
@@ -200,6 +200,8 @@ TEST(CudaMoe, LinearGluFusedIsTheGroupAndSituBitwise) {
   };
   const Case cases[] = {{1, 256, 384, 0, 0},  {1, 100, 37, 0, 0},  {1, 7168, 768, 0, 0}, {1, 7168, 4224, 0, 0},
                         {1, 7168, 6144, 0, 0}, {1, 264, 33, 1, 0}, {1, 264, 40, 0, 1},  {3, 512, 96, 0, 0},
+                        // Two rows: the rows kernel's group of one GLU member (a 2-row tile per CTA).
+                        {2, 7168, 768, 0, 0},  {2, 100, 37, 0, 0},  {2, 264, 33, 1, 0},  {2, 264, 40, 0, 1},
                         // The tensor-core kernel's GLU member (rows 3-8), and where it does not fit (x or w_up off
                         // their 16-byte alignment, k not a multiple of 8): the group and situ_glu.
                         {3, 7168, 768, 0, 0},  {5, 264, 33, 0, 0},  {8, 7168, 4224, 0, 0}, {4, 7168, 768, 1, 0},
@@ -312,7 +314,88 @@ TEST(CudaLinearRowsTc, GluMemberIsTheGroupAndSituBitwise) {
   EXPECT_EQ(cu::linear_rows_tc(ctx(), dx.get<bf16>(), 64, 4, 64, &o, 1), cudaErrorNotSupported);
   o.w_up = dw.get<bf16>();
   EXPECT_EQ(cu::linear_rows_tc(ctx(), dx.get<bf16>(), 64, 4, 64, &o, 1, /*add=*/true), cudaErrorInvalidValue);
-  EXPECT_EQ(cu::linear_group(ctx(), dx.get<bf16>(), 4, 64, &o, 1), cudaErrorInvalidValue);
+}
+
+// linear_group with a GLU member in the rows kernel's group (GpuRank::moe's router + latent down + shared gate /
+// up at 1-2 rows; Grouped: at any row count) against the same kernel on the gate and up as two plain members
+// then situ_glu, bitwise, and against the CPU linear_glu; FP32 and BF16 members beside it, odd feature counts,
+// x element-wise (in odd). Then what it refuses, with nothing written.
+TEST(CudaLinearGroup, GluMemberIsTheGroupAndSituBitwise) {
+  K3_REQUIRE_GPU();
+  namespace cu = ops::cuda;
+  using Path = cu::LinearGroupPath;
+  struct Case {
+    int64_t in, f32_out, bf16_out, I;
+  };
+  const Case cases[] = {{264, 33, 40, 37}, {7168, 896, 448, 768}, {135, 5, 16, 9}};
+  uint64_t seed = 8900;
+  for (const auto& c : cases) {
+    const double ws = 2.0 / std::sqrt(double(c.in));
+    const auto wr = random_bf16_values(static_cast<size_t>(c.f32_out * c.in), seed++, ws);
+    const auto wd = random_bf16_values(static_cast<size_t>(c.bf16_out * c.in), seed++, ws);
+    const auto wg = random_bf16_values(static_cast<size_t>(c.I * c.in), seed++, ws);
+    const auto wu = random_bf16_values(static_cast<size_t>(c.I * c.in), seed++, ws);
+    DeviceBuffer dr = upload_bf16(wr), dd = upload_bf16(wd), dg = upload_bf16(wg), du = upload_bf16(wu);
+    for (const auto& [rows, path] : {std::pair{int64_t{1}, Path::Auto}, std::pair{int64_t{2}, Path::Auto},
+                                     std::pair{int64_t{3}, Path::Grouped}, std::pair{int64_t{8}, Path::Grouped},
+                                     std::pair{int64_t{11}, Path::Grouped}}) {
+      SCOPED_TRACE(testing::Message() << "in " << c.in << " I " << c.I << " rows " << rows);
+      const auto x = random_bf16_values(static_cast<size_t>(rows * c.in), seed++);
+      DeviceBuffer dx = upload_bf16(x);
+      const size_t nr = static_cast<size_t>(rows * c.f32_out), nd = static_cast<size_t>(rows * c.bf16_out),
+                   nh = static_cast<size_t>(rows * c.I);
+      DeviceBuffer r1(nr * 4), d1(nd * 2), h1(nh * 2), r2(nr * 4), d2(nd * 2), a2(nh * 2), b2(nh * 2);
+      for (DeviceBuffer* b : {&r1, &d1, &h1}) CUDA_CHECK(cudaMemsetAsync(b->get(), 0xff, b->bytes(), st()));
+      const cu::LinearOut glu[3] = {{dr.get<bf16>(), r1.get(), c.f32_out, true},
+                                    {dd.get<bf16>(), d1.get(), c.bf16_out},
+                                    cu::glu_member(dg.get<bf16>(), du.get<bf16>(), h1.get<bf16>(), c.I, kSitu)};
+      ASSERT_EQ(cu::linear_group_via(ctx(), path, dx.get<bf16>(), rows, c.in, glu, 3), 0);
+      const cu::LinearOut four[4] = {{dr.get<bf16>(), r2.get(), c.f32_out, true},
+                                     {dd.get<bf16>(), d2.get(), c.bf16_out},
+                                     {dg.get<bf16>(), a2.get(), c.I},
+                                     {du.get<bf16>(), b2.get(), c.I}};
+      ASSERT_EQ(cu::linear_group_via(ctx(), Path::Grouped, dx.get<bf16>(), rows, c.in, four, 4), 0);
+      ASSERT_EQ(cu::situ_glu(a2.get<bf16>(), b2.get<bf16>(), a2.get<bf16>(), static_cast<int64_t>(nh), kSitu, st()),
+                0);
+      const auto hr1 = download<float>(r1, nr), hr2 = download<float>(r2, nr);
+      const auto hd1 = download<bf16>(d1, nd), hd2 = download<bf16>(d2, nd);
+      const auto hh1 = download<bf16>(h1, nh), hh2 = download<bf16>(a2, nh);
+      size_t differ = 0;
+      for (size_t i = 0; i < nr; ++i) differ += std::memcmp(&hr1[i], &hr2[i], 4) != 0;
+      EXPECT_EQ(differ, 0u) << "FP32 member beside a GLU member differs";
+      differ = 0;
+      for (size_t i = 0; i < nd; ++i) differ += hd1[i].bits != hd2[i].bits;
+      EXPECT_EQ(differ, 0u) << "BF16 member beside a GLU member differs";
+      differ = 0;
+      for (size_t i = 0; i < nh; ++i) differ += hh1[i].bits != hh2[i].bits;
+      EXPECT_EQ(differ, 0u) << "GLU member differs from the two projections then situ_glu";
+      std::vector<float> want(nh), scratch(nh);
+      const std::vector<bf16> wgb = to_bf16_vec(wg), wub = to_bf16_vec(wu);
+      ops::linear_glu(x.data(), wgb.data(), wub.data(), want.data(), rows, c.in, c.I, kSitu, scratch.data());
+      expect_close(to_float_vec(hh1), want, kChained, 0.0, "GLU member");
+    }
+  }
+  // What it refuses with cudaErrorNotSupported and nothing written: a GLU member where only separate calls would
+  // take the group (Auto past the GLU rows and the tensor-core rows; Separate), one with FP32 output, one with
+  // w_up off w's alignment.
+  const int64_t in = 64, out = 16, rows = 40;
+  DeviceBuffer dx(rows * in * 2), dw(out * in * 2 + 16), dy(rows * out * 4);
+  CUDA_CHECK(cudaMemsetAsync(dx.get(), 0, dx.bytes(), st()));
+  CUDA_CHECK(cudaMemsetAsync(dw.get(), 0, dw.bytes(), st()));
+  CUDA_CHECK(cudaMemsetAsync(dy.get(), 0x5a, dy.bytes(), st()));
+  cu::LinearOut o = cu::glu_member(dw.get<bf16>(), dw.get<bf16>(), dy.get<bf16>(), out, kSitu);
+  const cu::LinearOut two[2] = {{dw.get<bf16>(), dy.get(), out}, o};
+  EXPECT_EQ(cu::linear_group(ctx(), dx.get<bf16>(), rows, in, two, 2), cudaErrorNotSupported) << "Auto at 40 rows";
+  EXPECT_EQ(cu::linear_group_via(ctx(), Path::Separate, dx.get<bf16>(), 2, in, &o, 1), cudaErrorNotSupported);
+  o.y_f32 = true;
+  EXPECT_EQ(cu::linear_group_via(ctx(), Path::Grouped, dx.get<bf16>(), 1, in, &o, 1), cudaErrorNotSupported);
+  o.y_f32 = false;
+  o.w_up = dw.get<bf16>() + 1;
+  EXPECT_EQ(cu::linear_group_via(ctx(), Path::Grouped, dx.get<bf16>(), 1, in, &o, 1), cudaErrorNotSupported);
+  const auto y = download<uint8_t>(dy, static_cast<size_t>(dy.bytes()));
+  size_t written = 0;
+  for (uint8_t v : y) written += v != 0x5a;
+  EXPECT_EQ(written, 0u) << "a refused group wrote its output";
 }
 
 // The routed experts of one rank against the CPU model's recipe (layers.cpp moe_ffn): each local expert

@@ -5,8 +5,10 @@
 //      TP-sharded, every member routes all m rows and sends its columns of z, ops/ep.h)
 //   -> y = RMSNorm(sum) (in the combine's kernel) -> shared(x), then W_up y added into it (linear_add);
 //   TP-sharded shared experts (hybrid step): their partial sum on all m rows, their gate / up in the router's
-//   group where the latent down is sliced too (the SiTU in the tensor-core kernel's epilogue at its rows);
+//   group where the latent down is sliced too (the SiTU in the group kernel's epilogue where it takes them);
 //   dense: the SiTU-GLU MLP.
+#include <algorithm>
+
 #include "core/env.h"
 #include "ops/elementwise.h"
 #include "ops/ep.h"
@@ -32,8 +34,8 @@ bool moe_shared_group_default() {
 // the latent down TP-sharded (w.down_rows < L) all m rows of the group are routed here, the same top-k on every
 // member, and z holds this member's Ll columns of them (ops/ep.h's sliced exchange); the router, the latent
 // down and the shared gate / up then read the same m rows and, with moe_shared_group (options.h), run as one
-// projection group at 2 to linear_rows_tc_max_rows() rows (at one row linear_glu fuses the SiTU into its rows
-// kernel). With real collectives every rank calls it for every MoE layer, real = 0 included (the EP exchange
+// projection group where linear_group takes a GLU member (up to 2 rows, or the rows kernel's) or the
+// tensor-core group takes the rows. With real collectives every rank calls it for every MoE layer, real = 0 included (the EP exchange
 // spans the world).
 void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, SharedPart shared) {
   const MoeWeights& w = weights_.w.layers[l].moe;
@@ -43,10 +45,10 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, 
   const bool sliced = Ll < L, own = shared == SharedPart::Own;
   const int64_t routed = sliced ? rows_.m : real, own0 = sliced ? row0 : 0;
   const ops::SituParams situ{c_.situ_beta, c_.situ_linear_beta};
-  // The shared experts in the router's group: all m rows routed here, past the fused one-row GLU and within
-  // the tensor-core group's rows (past them the group of four is the same launches as mlp's, nothing gained).
-  const bool grouped_shared = o_.moe_shared_group && !own && sliced && routed > cu::linear_rows_kernel_max_rows() &&
-                              routed <= cu::linear_rows_tc_max_rows();
+  // The shared experts in the router's group: all m rows routed here, up to the tensor-core group's rows or
+  // the rows kernel group's GLU rows (past them the group of four is the same launches as mlp's).
+  const bool grouped_shared = o_.moe_shared_group && !own && sliced &&
+                              routed <= std::max(cu::linear_group_glu_max_rows(), cu::linear_rows_tc_max_rows());
   if (!own && !grouped_shared && rows_.m > 0) {
     mark("moe.shared");
     Carve scratch = layer_scratch();
@@ -72,11 +74,10 @@ void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, 
                                  {w.shared_gate, m.mlp, S},
                                  {w.shared_up, m.mlp + routed * S, S}};
     if (grouped_shared) {
-      // h = situ_glu(gate, up) into m.mlp: the tensor-core kernel's GLU member where it takes these rows
-      // (the SiTU in its epilogue), else the group of four and situ_glu; then the shared down into out.
+      // h = situ_glu(gate, up) into m.mlp: a GLU member where linear_group takes it (the SiTU in the
+      // kernel's epilogue), else the group of four and situ_glu; then the shared down into out.
       const cu::LinearOut glu[3] = {px[0], px[1], cu::glu_member(w.shared_gate, w.shared_up, m.mlp, S, situ)};
-      int rc = cudaErrorNotSupported;
-      if (cu::linear_glu_tc_takes(routed)) rc = cu::linear_rows_tc(ctx_, xg, D, routed, D, glu, 3);
+      const int rc = cu::linear_group(ctx_, xg, routed, D, glu, 3);
       if (rc == cudaErrorNotSupported) {
         K3_LAUNCH(cu::linear_group(ctx_, xg, routed, D, px, 4));
         mark("moe.shared");
