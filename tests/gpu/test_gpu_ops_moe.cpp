@@ -247,17 +247,17 @@ TEST(CudaMoe, LinearGluFusedIsTheGroupAndSituBitwise) {
       << "I = 0";
 }
 
-// linear_rows_tc with a GLU member beside plain ones (the router's FP32 logits, the latent down, the shared
-// experts' gate / up: GpuRank::moe's group) against the same kernel on the gate and up as two members then
-// situ_glu, bitwise, and against the CPU linear_glu; rows past one tile and odd feature counts.
-TEST(CudaLinearRowsTc, GluMemberIsTheGroupAndSituBitwise) {
-  K3_REQUIRE_GPU();
+// A group with a GLU member beside plain ones (the router's FP32 logits, the latent down, the shared experts'
+// gate / up: GpuRank::moe's group), launched by glu(x, rows, in, outs, 3), against four(x, rows, in, outs, 4)
+// on the gate and up as two plain members then situ_glu, bitwise, and against the CPU linear_glu; for each
+// shape of `cases` at each row count of `rows_list`.
+struct GluGroupCase {
+  int64_t in, f32_out, bf16_out, I;
+};
+template <typename Glu, typename Four>
+void check_glu_group(const std::vector<GluGroupCase>& cases, const std::vector<int64_t>& rows_list, uint64_t seed,
+                     Glu glu, Four four) {
   namespace cu = ops::cuda;
-  struct Case {
-    int64_t in, f32_out, bf16_out, I;
-  };
-  const Case cases[] = {{264, 33, 40, 37}, {7168, 896, 448, 768}, {136, 5, 16, 8}};
-  uint64_t seed = 8700;
   for (const auto& c : cases) {
     const double ws = 2.0 / std::sqrt(double(c.in));
     const auto wr = random_bf16_values(static_cast<size_t>(c.f32_out * c.in), seed++, ws);
@@ -265,7 +265,7 @@ TEST(CudaLinearRowsTc, GluMemberIsTheGroupAndSituBitwise) {
     const auto wg = random_bf16_values(static_cast<size_t>(c.I * c.in), seed++, ws);
     const auto wu = random_bf16_values(static_cast<size_t>(c.I * c.in), seed++, ws);
     DeviceBuffer dr = upload_bf16(wr), dd = upload_bf16(wd), dg = upload_bf16(wg), du = upload_bf16(wu);
-    for (const int64_t rows : {3, 5, 8, 13, 32, 40}) {
+    for (const int64_t rows : rows_list) {
       SCOPED_TRACE(testing::Message() << "in " << c.in << " I " << c.I << " rows " << rows);
       const auto x = random_bf16_values(static_cast<size_t>(rows * c.in), seed++);
       DeviceBuffer dx = upload_bf16(x);
@@ -273,15 +273,15 @@ TEST(CudaLinearRowsTc, GluMemberIsTheGroupAndSituBitwise) {
                    nh = static_cast<size_t>(rows * c.I);
       DeviceBuffer r1(nr * 4), d1(nd * 2), h1(nh * 2), r2(nr * 4), d2(nd * 2), a2(nh * 2), b2(nh * 2);
       for (DeviceBuffer* b : {&r1, &d1, &h1}) CUDA_CHECK(cudaMemsetAsync(b->get(), 0xff, b->bytes(), st()));
-      const cu::LinearOut glu[3] = {{dr.get<bf16>(), r1.get(), c.f32_out, true},
-                                    {dd.get<bf16>(), d1.get(), c.bf16_out},
-                                    cu::glu_member(dg.get<bf16>(), du.get<bf16>(), h1.get<bf16>(), c.I, kSitu)};
-      ASSERT_EQ(cu::linear_rows_tc(ctx(), dx.get<bf16>(), c.in, rows, c.in, glu, 3), 0);
-      const cu::LinearOut four[4] = {{dr.get<bf16>(), r2.get(), c.f32_out, true},
-                                     {dd.get<bf16>(), d2.get(), c.bf16_out},
-                                     {dg.get<bf16>(), a2.get(), c.I},
-                                     {du.get<bf16>(), b2.get(), c.I}};
-      ASSERT_EQ(cu::linear_rows_tc(ctx(), dx.get<bf16>(), c.in, rows, c.in, four, 4), 0);
+      const cu::LinearOut three[3] = {{dr.get<bf16>(), r1.get(), c.f32_out, true},
+                                      {dd.get<bf16>(), d1.get(), c.bf16_out},
+                                      cu::glu_member(dg.get<bf16>(), du.get<bf16>(), h1.get<bf16>(), c.I, kSitu)};
+      ASSERT_EQ(glu(dx.get<bf16>(), rows, c.in, three, 3), 0);
+      const cu::LinearOut plain[4] = {{dr.get<bf16>(), r2.get(), c.f32_out, true},
+                                      {dd.get<bf16>(), d2.get(), c.bf16_out},
+                                      {dg.get<bf16>(), a2.get(), c.I},
+                                      {du.get<bf16>(), b2.get(), c.I}};
+      ASSERT_EQ(four(dx.get<bf16>(), rows, c.in, plain, 4), 0);
       ASSERT_EQ(cu::situ_glu(a2.get<bf16>(), b2.get<bf16>(), a2.get<bf16>(), static_cast<int64_t>(nh), kSitu, st()),
                 0);
       const auto hr1 = download<float>(r1, nr), hr2 = download<float>(r2, nr);
@@ -302,6 +302,17 @@ TEST(CudaLinearRowsTc, GluMemberIsTheGroupAndSituBitwise) {
       expect_close(to_float_vec(hh1), want, kChained, 0.0, "GLU member");
     }
   }
+}
+
+// linear_rows_tc with a GLU member beside plain ones against the same kernel on four plain members
+// (check_glu_group); rows past one tile and odd feature counts.
+TEST(CudaLinearRowsTc, GluMemberIsTheGroupAndSituBitwise) {
+  K3_REQUIRE_GPU();
+  namespace cu = ops::cuda;
+  const auto tc = [](const bf16* x, int64_t rows, int64_t in, const cu::LinearOut* outs, int n) {
+    return cu::linear_rows_tc(ctx(), x, in, rows, in, outs, n);
+  };
+  check_glu_group({{264, 33, 40, 37}, {7168, 896, 448, 768}, {136, 5, 16, 8}}, {3, 5, 8, 13, 32, 40}, 8700, tc, tc);
   // What it refuses: a GLU member with FP32 output or w_up off its alignment (nothing enqueued), an add with a
   // GLU member, and linear_group given a GLU member.
   DeviceBuffer dx(8 * 64 * 2), dw(64 * 16 * 2 + 16), dy(8 * 16 * 4);
@@ -317,64 +328,20 @@ TEST(CudaLinearRowsTc, GluMemberIsTheGroupAndSituBitwise) {
 }
 
 // linear_group with a GLU member in the rows kernel's group (GpuRank::moe's router + latent down + shared gate /
-// up at 1-2 rows; Grouped: at any row count) against the same kernel on the gate and up as two plain members
-// then situ_glu, bitwise, and against the CPU linear_glu; FP32 and BF16 members beside it, odd feature counts,
-// x element-wise (in odd). Then what it refuses, with nothing written.
+// up at 1-2 rows on Auto; at any row count on Grouped) against the Grouped path on four plain members
+// (check_glu_group); odd feature counts, x element-wise (in odd). Then what it refuses, with nothing written.
 TEST(CudaLinearGroup, GluMemberIsTheGroupAndSituBitwise) {
   K3_REQUIRE_GPU();
   namespace cu = ops::cuda;
   using Path = cu::LinearGroupPath;
-  struct Case {
-    int64_t in, f32_out, bf16_out, I;
+  const auto via = [](Path path) {
+    return [path](const bf16* x, int64_t rows, int64_t in, const cu::LinearOut* outs, int n) {
+      return cu::linear_group_via(ctx(), path, x, rows, in, outs, n);
+    };
   };
-  const Case cases[] = {{264, 33, 40, 37}, {7168, 896, 448, 768}, {135, 5, 16, 9}};
-  uint64_t seed = 8900;
-  for (const auto& c : cases) {
-    const double ws = 2.0 / std::sqrt(double(c.in));
-    const auto wr = random_bf16_values(static_cast<size_t>(c.f32_out * c.in), seed++, ws);
-    const auto wd = random_bf16_values(static_cast<size_t>(c.bf16_out * c.in), seed++, ws);
-    const auto wg = random_bf16_values(static_cast<size_t>(c.I * c.in), seed++, ws);
-    const auto wu = random_bf16_values(static_cast<size_t>(c.I * c.in), seed++, ws);
-    DeviceBuffer dr = upload_bf16(wr), dd = upload_bf16(wd), dg = upload_bf16(wg), du = upload_bf16(wu);
-    for (const auto& [rows, path] : {std::pair{int64_t{1}, Path::Auto}, std::pair{int64_t{2}, Path::Auto},
-                                     std::pair{int64_t{3}, Path::Grouped}, std::pair{int64_t{8}, Path::Grouped},
-                                     std::pair{int64_t{11}, Path::Grouped}}) {
-      SCOPED_TRACE(testing::Message() << "in " << c.in << " I " << c.I << " rows " << rows);
-      const auto x = random_bf16_values(static_cast<size_t>(rows * c.in), seed++);
-      DeviceBuffer dx = upload_bf16(x);
-      const size_t nr = static_cast<size_t>(rows * c.f32_out), nd = static_cast<size_t>(rows * c.bf16_out),
-                   nh = static_cast<size_t>(rows * c.I);
-      DeviceBuffer r1(nr * 4), d1(nd * 2), h1(nh * 2), r2(nr * 4), d2(nd * 2), a2(nh * 2), b2(nh * 2);
-      for (DeviceBuffer* b : {&r1, &d1, &h1}) CUDA_CHECK(cudaMemsetAsync(b->get(), 0xff, b->bytes(), st()));
-      const cu::LinearOut glu[3] = {{dr.get<bf16>(), r1.get(), c.f32_out, true},
-                                    {dd.get<bf16>(), d1.get(), c.bf16_out},
-                                    cu::glu_member(dg.get<bf16>(), du.get<bf16>(), h1.get<bf16>(), c.I, kSitu)};
-      ASSERT_EQ(cu::linear_group_via(ctx(), path, dx.get<bf16>(), rows, c.in, glu, 3), 0);
-      const cu::LinearOut four[4] = {{dr.get<bf16>(), r2.get(), c.f32_out, true},
-                                     {dd.get<bf16>(), d2.get(), c.bf16_out},
-                                     {dg.get<bf16>(), a2.get(), c.I},
-                                     {du.get<bf16>(), b2.get(), c.I}};
-      ASSERT_EQ(cu::linear_group_via(ctx(), Path::Grouped, dx.get<bf16>(), rows, c.in, four, 4), 0);
-      ASSERT_EQ(cu::situ_glu(a2.get<bf16>(), b2.get<bf16>(), a2.get<bf16>(), static_cast<int64_t>(nh), kSitu, st()),
-                0);
-      const auto hr1 = download<float>(r1, nr), hr2 = download<float>(r2, nr);
-      const auto hd1 = download<bf16>(d1, nd), hd2 = download<bf16>(d2, nd);
-      const auto hh1 = download<bf16>(h1, nh), hh2 = download<bf16>(a2, nh);
-      size_t differ = 0;
-      for (size_t i = 0; i < nr; ++i) differ += std::memcmp(&hr1[i], &hr2[i], 4) != 0;
-      EXPECT_EQ(differ, 0u) << "FP32 member beside a GLU member differs";
-      differ = 0;
-      for (size_t i = 0; i < nd; ++i) differ += hd1[i].bits != hd2[i].bits;
-      EXPECT_EQ(differ, 0u) << "BF16 member beside a GLU member differs";
-      differ = 0;
-      for (size_t i = 0; i < nh; ++i) differ += hh1[i].bits != hh2[i].bits;
-      EXPECT_EQ(differ, 0u) << "GLU member differs from the two projections then situ_glu";
-      std::vector<float> want(nh), scratch(nh);
-      const std::vector<bf16> wgb = to_bf16_vec(wg), wub = to_bf16_vec(wu);
-      ops::linear_glu(x.data(), wgb.data(), wub.data(), want.data(), rows, c.in, c.I, kSitu, scratch.data());
-      expect_close(to_float_vec(hh1), want, kChained, 0.0, "GLU member");
-    }
-  }
+  const std::vector<GluGroupCase> cases = {{264, 33, 40, 37}, {7168, 896, 448, 768}, {135, 5, 16, 9}};
+  check_glu_group(cases, {1, 2}, 8900, via(Path::Auto), via(Path::Grouped));
+  check_glu_group(cases, {3, 8, 11}, 8950, via(Path::Grouped), via(Path::Grouped));
   // What it refuses with cudaErrorNotSupported and nothing written: a GLU member where only separate calls would
   // take the group (Auto past the GLU rows and the tensor-core rows; Separate), one with FP32 output, one with
   // w_up off w's alignment.
