@@ -314,7 +314,7 @@ TEST(CudaLinearRowsTc, GluMemberIsTheGroupAndSituBitwise) {
   };
   check_glu_group({{264, 33, 40, 37}, {7168, 896, 448, 768}, {136, 5, 16, 8}}, {3, 5, 8, 13, 32, 40}, 8700, tc, tc);
   // What it refuses: a GLU member with FP32 output or w_up off its alignment (nothing enqueued), an add with a
-  // GLU member, and linear_group given a GLU member.
+  // GLU member.
   DeviceBuffer dx(8 * 64 * 2), dw(64 * 16 * 2 + 16), dy(8 * 16 * 4);
   cu::LinearOut o{dw.get<bf16>(), dy.get(), 16, false};
   o.w_up = dw.get<bf16>();
