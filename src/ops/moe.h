@@ -129,11 +129,6 @@ void moe_experts_force_wg(bool on);
 // (A/B runs) or by this (tests); any other value means 0. The size splits K differently, so the FP32 sum
 // order (not the tolerance against the CPU) changes with it.
 void moe_experts_force_team(int choice);
-// Whether the split-K kernel first asks L2 to prefetch each warp's whole K range of its item's weight rows
-// (cp.async.bulk.prefetch), so that its chain of chunk loads waits on L2 rather than HBM: K3_MOE_PREFETCH=0/1
-// at the first call (default 0, docs/PERF.md), or this: 1 on, 0 off, -1 the environment's again (tests). The
-// same bits either way.
-void moe_experts_force_prefetch(int on);
 int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const float* w, const Mxfp4ExpertTable& experts,
                 int expert_begin, int expert_count, bf16* y, void* scratch, int64_t rows, int k, int64_t L, int64_t I,
                 SituParams p, const RowNorm& norm = {});

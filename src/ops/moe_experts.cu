@@ -183,7 +183,7 @@ __device__ __forceinline__ void team_sync(int team, int team_threads) {
 template <bool UP>
 __global__ void __launch_bounds__(kSplitThreads, 2)
     moe_mma_splitk_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
-                   int64_t K, int64_t N, int64_t tiles_per_slot, int team_warps, SituParams sp, bool prefetch) {
+                   int64_t K, int64_t N, int64_t tiles_per_slot, int team_warps, SituParams sp) {
   detail::pdl_wait();
   detail::pdl_launch_dependents();
   constexpr int NT = 1;
@@ -225,19 +225,6 @@ __global__ void __launch_bounds__(kSplitThreads, 2)
         ap[m][h] = base + row * row_bytes + 16 * tg;
         as[m][h] = sbase + row * row_scales + tg;
       }
-    }
-    if (prefetch && c_begin < c_end) {
-      // The warp's whole K range of the item's 32 weight rows into L2 at once (lane (g, t): row g + 8 (t & 1) of
-      // operand t >> 1, one bulk prefetch, and its scales' line), so that the chain of chunk loads below waits
-      // on L2 rather than HBM; no registers held.
-      const int m = t >> 1, h = t & 1;
-      const int64_t from = c_begin * (kChunkK / 2), bytes = min(c_end * (kChunkK / 2), row_bytes) - from;
-      const uint8_t* row = ap[m][h] - 16 * tg;
-      if (bytes >= 16 && row_bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(row) & 15) == 0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(row + from),
-                     "r"(static_cast<uint32_t>(bytes & ~int64_t{15}))
-                     : "memory");
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(as[m][h] - tg + c_begin * (kChunkK / 32)));
     }
     for (int t0 = 0; t0 < count; t0 += kTokTile * NT) {
       const int nt = min(NT, (count - t0 + kTokTile - 1) / kTokTile);  // warp-uniform
@@ -594,10 +581,6 @@ int knob(std::atomic<int>& slot, const char* name, int hi) {
 std::atomic<int> g_team{-1};
 int team_choice() { return knob(g_team, "K3_MOE_TEAM", 2); }
 
-// K3_MOE_PREFETCH / moe_experts_force_prefetch: 0 or 1.
-std::atomic<int> g_prefetch{-1};
-bool prefetch_on() { return knob(g_prefetch, "K3_MOE_PREFETCH", 1) == 1; }
-
 template <bool UP>
 int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K, int64_t N,
                   int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
@@ -614,7 +597,7 @@ int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, b
   const int64_t teams = kSplitWarps / team_warps;
   const int64_t blocks = std::min<int64_t>((items + teams - 1) / teams, slots);
   return detail::launch(moe_mma_splitk_kernel<UP>, static_cast<unsigned>(std::max<int64_t>(1, blocks)), kSplitThreads,
-                        kLutBytes, s, x, plan, ex, out, k, K, N, tiles, team_warps, sp, prefetch_on());
+                        kLutBytes, s, x, plan, ex, out, k, K, N, tiles, team_warps, sp);
 }
 
 template <int NT, bool UP>
@@ -702,8 +685,6 @@ bool use_wg() { return knob(g_force_wg, "K3_MOE_WG", 1) == 1; }
 }  // namespace
 
 void moe_experts_force_wg(bool on) { g_force_wg.store(on ? 1 : 0, std::memory_order_relaxed); }
-
-void moe_experts_force_prefetch(int on) { g_prefetch.store(on < 0 ? -1 : on > 0 ? 1 : 0, std::memory_order_relaxed); }
 
 void moe_experts_force_team(int choice) {
   g_team.store(choice == 1 || choice == 2 ? choice : 0, std::memory_order_relaxed);
