@@ -134,7 +134,8 @@ cudaError_t allow_optin_smem(bool max_carveout = false) {
 // before it in the stream still runs, so that its launch and CTA scheduling overlap that kernel's tail.
 // Every kernel therefore begins with pdl_wait(), which returns once the grids it depends on have
 // completed and their writes are visible; before it, a kernel may read only data that no kernel of the
-// step writes (the weights). It then calls pdl_launch_dependents() at once, so that its own successor is
+// step writes (the weights) or set up what reads nothing (the MoE kernels fill their E2M1 table there).
+// It then calls pdl_launch_dependents() at once, so that its own successor is
 // launched while it runs; the successor's wait still holds it until this grid completes. Both are no-ops
 // below sm_90 and in a kernel launched without the attribute.
 __device__ __forceinline__ void pdl_wait() {

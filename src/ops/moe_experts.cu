@@ -184,13 +184,14 @@ template <bool UP>
 __global__ void __launch_bounds__(kSplitThreads, 2)
     moe_mma_splitk_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
                    int64_t K, int64_t N, int64_t tiles_per_slot, int team_warps, SituParams sp) {
-  detail::pdl_wait();
-  detail::pdl_launch_dependents();
   constexpr int NT = 1;
   constexpr int kAcc = 2 * NT * 4;  // two A operands x NT token tiles x 4 accumulators per lane
-  // The table; holes: part [kSplitWarps][kAcc][kWarp] FP32 (warp w of team t: entry t team_warps + w).
+  // The table; holes: part [kSplitWarps][kAcc][kWarp] FP32 (warp w of team t: entry t team_warps + w). It reads
+  // nothing, so it is filled before the wait, while the kernel before this one (the plan) still runs.
   extern __shared__ __align__(16) unsigned char lut[];
   fill_lut(lut);
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const uint32_t lut_s = smem_u32(lut);
   const int team_threads = team_warps * kWarp, teams = kSplitWarps / team_warps;
   const int team = static_cast<int>(threadIdx.x) / team_threads, ttid = static_cast<int>(threadIdx.x) % team_threads;
@@ -358,8 +359,6 @@ template <int NT, bool UP>
 __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
     moe_mma_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
                    int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
-  detail::pdl_wait();
-  detail::pdl_launch_dependents();
   constexpr int kCols = NT * kTokTile;  // token columns per pass
   // The table; holes: the ring [kStages][kCols][kChunkK] BF16, pieces swizzled. A token column's 256
   // bytes are two holes, so column c of a stage is at stage_base + 512 c + hole_offset(piece offset).
@@ -368,13 +367,15 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane >> 2, t = lane & 3;
   // Work units (slot, group, pass of kCols token columns), in that order, so that a CTA's passes over the same
   // rows run back to back (the later ones find the weights in L2). CTAs take shares of the units, so an
-  // expert with more pairs spreads over more CTAs instead of lengthening a few. The plan's totals and the
-  // first 32 slots' pass offsets are loaded before the table is filled, which hides their latency.
+  // expert with more pairs spreads over more CTAs instead of lengthening a few. The table reads nothing, so
+  // it is filled before the wait, while the kernel before this one still runs; the plan is read after it.
+  fill_lut(lut);
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
   const int64_t gps = (tiles_per_slot + kWarps - 1) / kWarps;  // groups per slot
   const int n_active = *plan.n_active;
   const int64_t units = static_cast<int64_t>(*plan.n_passes) * gps;
   int pass_begin = lane < n_active ? plan.slot_pass_begin[lane] : INT_MAX;
-  fill_lut(lut);
   const uint32_t lut_s = smem_u32(lut);
   const uint32_t lane4 = 4u * static_cast<uint32_t>(lane);
   // The lane's B-fragment offsets in a stage, step q (token tile j: + 8 j columns = 4096 j bytes).

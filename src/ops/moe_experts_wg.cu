@@ -138,8 +138,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     moe_wg_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
                   int64_t K, int64_t N, SituParams sp) {
 #if K3_SM90A
-  detail::pdl_wait();
-  detail::pdl_launch_dependents();
   using L = WgLayout<UP>;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
@@ -158,6 +156,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_init_fence();
   }
   fill_lut(sm);  // ends with a barrier: the table and the mbarriers are ready
+  // The table and the barriers read nothing: set up before the wait, while the kernel before still runs.
+  detail::pdl_wait();
+  detail::pdl_launch_dependents();
 
   const int64_t tiles = N / kRows;
   const int n_active = __shfl_sync(0xffffffffu, *plan.n_active, 0);
