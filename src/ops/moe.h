@@ -118,8 +118,7 @@ inline size_t moe_experts_scratch_bytes(int64_t rows, int k, int64_t L, int64_t 
 // every expert output is the CPU expert_mlp's (BF16). Rows with no local expert get 0. L, I multiples of 32;
 // expert_count <= kMoeMaxLocalExperts; scratch: moe_experts_scratch_bytes(rows, k, L, I), 16-byte aligned.
 // norm.w != nullptr: y = RMSNorm(that y; norm.w [L], norm.eps) in the combine (the latent norm), the bits of
-// a separate rmsnorm on it. k = 1 without a norm (the EP owner's and the loopback's calls): no combine kernel,
-// the down kernel writes y (the same bits).
+// a separate rmsnorm on it.
 constexpr int kMoeMaxLocalExperts = 6144;
 // The up and down GEMMs run the warp-specialized wgmma kernel (moe_experts_wg.cu, a prototype) when L and I
 // are multiples of 64 and either K3_MOE_WG=1 was in the environment at the first call or this set it

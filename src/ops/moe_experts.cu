@@ -1,16 +1,13 @@
 // moe_experts on the GPU (math in moe.h): the routed experts of one rank, grouped by expert.
 //
-// Four kernels on the stream (three with k = 1 and no RowNorm; no host synchronization):
+// Four kernels on the stream (no host synchronization):
 //   plan:    one CTA groups the (row, j) pairs whose expert is local by expert (counts, scans, the
 //            slots of the experts in use, the pair list);
 //   up:      tensor cores (mma.sync m16n8k16, BF16 in, FP32 accumulate): per (slot, 16 rows of I),
 //            h[pair] = bf16(situ(bf16(W1 z), bf16(W3 z))) for the slot's pairs, 8 pairs per token tile;
 //   down:    per (slot, 32 rows of L): o[pair] = bf16(W2 h[pair]);
 //   combine: y[r, i] = bf16(sum_j w[r, j] o[(r, j), i]) over the local j in order, unfused FP32 as the CPU
-//            (with a RowNorm: one CTA per row that then applies the latent RMSNorm, rmsnorm.cuh). With one
-//            choice per row (k = 1: the EP owner's and the loopback's call) and no RowNorm, the down kernel
-//            does the combine's arithmetic in its epilogue and zeroes the rows with no local expert itself
-//            (Direct), so no combine kernel runs.
+//            (with a RowNorm: one CTA per row that then applies the latent RMSNorm, rmsnorm.cuh).
 // W4A16: each lane loads 16 packed bytes (one 32-value scale group) of a weight row per 128-value
 // chunk and dequantizes them exactly to BF16 in registers (two E2M1 values per lookup in a 64 KiB
 // shared-memory table, one byte permute and one load per lookup, times the E8M0 power of two: exact;
@@ -160,37 +157,6 @@ using detail::smem_u32;
 using detail::cp_async_commit;
 using detail::mma_bf16_16816;
 
-// The down kernels' direct output (k = 1, no latent norm): each pair is its row, so the combine is
-// y[r] = bf16(0 + w[r] * o[r]) and the kernel writes that into y itself (one combine kernel and one round
-// trip of o fewer), the rows whose expert is not local zeroed by the grid. w == nullptr: off (the kernel
-// writes o, the combine follows).
-struct Direct {
-  const float* w = nullptr;    // [pairs] the pairs' weights
-  const int32_t* idx = nullptr;  // [pairs] their experts
-  int expert_begin = 0, expert_count = 0;
-  int64_t pairs = 0;
-};
-
-// A down kernel's output value v (FP32 sum) of pair `pair`, feature n: o = bf16(v), or with d on the combine's
-// arithmetic for one local pair (FP32 0 + w o, rounded once more), bitwise moe_combine_kernel's.
-__device__ __forceinline__ void store_down(bf16* __restrict__ out, const Direct& d, int64_t pair, int64_t N, int64_t n,
-                                           float v) {
-  if (d.w != nullptr) v = __fadd_rn(0.f, __fmul_rn(d.w[pair], detail::round_bf16_dev(v)));
-  out[pair * N + n] = detail::float_to_bf16(v);
-}
-
-// With d on: the rows [pairs, N] of y whose pair's expert is not local -> 0, spread over the grid.
-__device__ __forceinline__ void zero_unrouted(bf16* __restrict__ y, const Direct& d, int64_t N) {
-  if (d.w == nullptr) return;
-  const int64_t n8 = N / 8, total = d.pairs * n8;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t pair = i / n8;
-    const int64_t e = static_cast<int64_t>(d.idx[pair]) - d.expert_begin;
-    if (e < 0 || e >= d.expert_count) *reinterpret_cast<uint4*>(y + pair * N + (i % n8) * 8) = make_uint4(0, 0, 0, 0);
-  }
-}
-
 // Few pairs per expert (<= 4 on average: one token tile): moe_mma_splitk_kernel. One team item = (slot, tile
 // of output features); the team's warps split K, each over whole kChunkK steps, their partials summed
 // in warp order through shared memory (deterministic), so a layer with few experts in use still spreads
@@ -217,7 +183,7 @@ __device__ __forceinline__ void team_sync(int team, int team_threads) {
 template <bool UP>
 __global__ void __launch_bounds__(kSplitThreads, 2)
     moe_mma_splitk_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
-                   int64_t K, int64_t N, int64_t tiles_per_slot, int team_warps, SituParams sp, Direct direct) {
+                   int64_t K, int64_t N, int64_t tiles_per_slot, int team_warps, SituParams sp) {
   constexpr int NT = 1;
   constexpr int kAcc = 2 * NT * 4;  // two A operands x NT token tiles x 4 accumulators per lane
   // The table; holes: part [kSplitWarps][kAcc][kWarp] FP32 (warp w of team t: entry t team_warps + w). It reads
@@ -226,7 +192,6 @@ __global__ void __launch_bounds__(kSplitThreads, 2)
   fill_lut(lut);
   detail::pdl_wait();
   detail::pdl_launch_dependents();
-  if (!UP) zero_unrouted(out, direct, N);
   const uint32_t lut_s = smem_u32(lut);
   const int team_threads = team_warps * kWarp, teams = kSplitWarps / team_warps;
   const int team = static_cast<int>(threadIdx.x) / team_threads, ttid = static_cast<int>(threadIdx.x) % team_threads;
@@ -359,11 +324,8 @@ __global__ void __launch_bounds__(kSplitThreads, 2)
           s0 += part(w, (m * NT + j) * 4 + i, ln);
           if (UP) s1 += part(w, (NT + j) * 4 + i, ln);
         }
-        if (UP)
-          out[pair * N + n] =
-              detail::float_to_bf16(detail::situ_dev(detail::round_bf16_dev(s0), detail::round_bf16_dev(s1), sp));
-        else
-          store_down(out, direct, pair, N, n, s0);
+        const float v = UP ? detail::situ_dev(detail::round_bf16_dev(s0), detail::round_bf16_dev(s1), sp) : s0;
+        out[pair * N + n] = detail::float_to_bf16(v);
       }
       team_sync(team, team_threads);
     }
@@ -396,7 +358,7 @@ static_assert(hole_offset(mma_ring_bytes(3) - 1) < kLutBytes, "the ring fits the
 template <int NT, bool UP>
 __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
     moe_mma_kernel(const bf16* __restrict__ x, Plan plan, Mxfp4ExpertTable ex, bf16* __restrict__ out, int k,
-                   int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp, Direct direct) {
+                   int64_t K, int64_t N, int64_t tiles_per_slot, SituParams sp) {
   constexpr int kCols = NT * kTokTile;  // token columns per pass
   // The table; holes: the ring [kStages][kCols][kChunkK] BF16, pieces swizzled. A token column's 256
   // bytes are two holes, so column c of a stage is at stage_base + 512 c + hole_offset(piece offset).
@@ -410,7 +372,6 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
   fill_lut(lut);
   detail::pdl_wait();
   detail::pdl_launch_dependents();
-  if (!UP) zero_unrouted(out, direct, N);
   const int64_t gps = (tiles_per_slot + kWarps - 1) / kWarps;  // groups per slot
   const int n_active = *plan.n_active;
   const int64_t units = static_cast<int64_t>(*plan.n_passes) * gps;
@@ -577,11 +538,10 @@ __global__ void __launch_bounds__(kMmaThreads, NT >= 3 ? 3 : 4)
               for (int m = 0; m < (UP ? 1 : 2); ++m) {
                 const int64_t n = (UP ? tile * 16 : tile * 32 + 16 * m) + g + 8 * (i >> 1);
                 if (n >= N) continue;
-                if (UP)
-                  out[pair * N + n] = detail::float_to_bf16(detail::situ_dev(
-                      detail::round_bf16_dev(acc[0][j][i]), detail::round_bf16_dev(acc[1][j][i]), sp));
-                else
-                  store_down(out, direct, pair, N, n, acc[m][j][i]);
+                const float v = UP ? detail::situ_dev(detail::round_bf16_dev(acc[0][j][i]),
+                                                      detail::round_bf16_dev(acc[1][j][i]), sp)
+                                   : acc[m][j][i];
+                out[pair * N + n] = detail::float_to_bf16(v);
               }
             }
           }
@@ -624,7 +584,7 @@ int team_choice() { return knob(g_team, "K3_MOE_TEAM", 2); }
 
 template <bool UP>
 int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K, int64_t N,
-                  int64_t max_slots, SituParams sp, int sms, cudaStream_t s, const Direct& direct) {
+                  int64_t max_slots, SituParams sp, int sms, cudaStream_t s) {
   const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
   // The table (64 KiB) passes the 48 KiB a CTA gets without asking.
   if (const cudaError_t e = detail::allow_optin_smem<moe_mma_splitk_kernel<UP>>(); e != cudaSuccess) return e;
@@ -638,12 +598,12 @@ int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, b
   const int64_t teams = kSplitWarps / team_warps;
   const int64_t blocks = std::min<int64_t>((items + teams - 1) / teams, slots);
   return detail::launch(moe_mma_splitk_kernel<UP>, static_cast<unsigned>(std::max<int64_t>(1, blocks)), kSplitThreads,
-                        kLutBytes, s, x, plan, ex, out, k, K, N, tiles, team_warps, sp, direct);
+                        kLutBytes, s, x, plan, ex, out, k, K, N, tiles, team_warps, sp);
 }
 
 template <int NT, bool UP>
 int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K, int64_t N,
-               int64_t max_slots, int64_t pairs, SituParams sp, int sms, cudaStream_t s, const Direct& direct) {
+               int64_t max_slots, int64_t pairs, SituParams sp, int sms, cudaStream_t s) {
   const int64_t tiles = UP ? (N + 15) / 16 : (N + 31) / 32;
   const int64_t gps = (tiles + kWarps - 1) / kWarps;
   // The table with the ring in its holes (64 KiB) passes the 48 KiB a CTA gets without asking.
@@ -653,16 +613,15 @@ int launch_mma(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16
   const int64_t blocks =
       std::min<int64_t>(max_units, int64_t{sms} * ctas_per_sm<moe_mma_kernel<NT, UP>>(kMmaThreads, kLutBytes));
   return detail::launch(moe_mma_kernel<NT, UP>, static_cast<unsigned>(std::max<int64_t>(1, blocks)), kMmaThreads,
-                        kLutBytes, s, x, plan, ex, out, k, K, N, tiles, sp, direct);
+                        kLutBytes, s, x, plan, ex, out, k, K, N, tiles, sp);
 }
 
 template <bool UP>
 int launch_mma_nt(int nt, const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K,
-                  int64_t N, int64_t max_slots, int64_t pairs, SituParams sp, int sms, cudaStream_t s,
-                  const Direct& direct = {}) {
-  if (nt <= 1) return launch_splitk<UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s, direct);
-  if (nt <= 2) return launch_mma<2, UP>(x, plan, ex, out, k, K, N, max_slots, pairs, sp, sms, s, direct);
-  return launch_mma<3, UP>(x, plan, ex, out, k, K, N, max_slots, pairs, sp, sms, s, direct);
+                  int64_t N, int64_t max_slots, int64_t pairs, SituParams sp, int sms, cudaStream_t s) {
+  if (nt <= 1) return launch_splitk<UP>(x, plan, ex, out, k, K, N, max_slots, sp, sms, s);
+  if (nt <= 2) return launch_mma<2, UP>(x, plan, ex, out, k, K, N, max_slots, pairs, sp, sms, s);
+  return launch_mma<3, UP>(x, plan, ex, out, k, K, N, max_slots, pairs, sp, sms, s);
 }
 
 // acc[u] = sum over local j, in order, of w[r, j] * o[(r, j), i + u] (u < 8; 0 for a row with none):
@@ -765,13 +724,8 @@ int moe_experts(const Context& ctx, const bf16* z, const int32_t* idx, const flo
     if (const int e = moe_wg_launch(true, z, plan, experts, h, k, L, I, max_slots, pairs, p, sms, s); e != 0) return e;
     if (const int e = moe_wg_launch(false, h, plan, experts, o, k, I, L, max_slots, pairs, p, sms, s); e != 0) return e;
   } else if (max_slots > 0) {
-    // One choice per row and no latent norm: the down kernel writes y itself (Direct), no combine follows.
-    const bool direct = k == 1 && norm.w == nullptr;
     if (const int e = launch_mma_nt<true>(nt, z, plan, experts, h, k, L, I, max_slots, pairs, p, sms, s); e != 0) return e;
-    if (const int e = launch_mma_nt<false>(nt, h, plan, experts, direct ? y : o, k, I, L, max_slots, pairs, p, sms, s,
-                                           direct ? Direct{w, idx, expert_begin, expert_count, pairs} : Direct{});
-        e != 0 || direct)
-      return e;
+    if (const int e = launch_mma_nt<false>(nt, h, plan, experts, o, k, I, L, max_slots, pairs, p, sms, s); e != 0) return e;
   }
   if (norm.w != nullptr)
     return detail::launch(moe_combine_norm_kernel, static_cast<unsigned>(rows), detail::norm_threads(L / 8), 0, s, o,
