@@ -484,6 +484,7 @@ void check_moe_experts(const MoeCase& c, uint64_t seed) {
   ex.w2_packed = t2.get<const uint8_t*>();
   ex.w2_scale = t2s.get<const uint8_t*>();
   DeviceBuffer dz = upload_bf16(z), didx = upload(idx), dw = upload(w), dy(want.size() * 2);
+  CUDA_CHECK(cudaMemsetAsync(dy.get(), 0xff, dy.bytes(), st()));  // NaN: a row left unwritten fails
   DeviceBuffer dscr(ops::cuda::moe_experts_scratch_bytes(c.rows, c.k, c.L, c.I));
   ASSERT_EQ(ops::cuda::moe_experts(ctx(), dz.get<bf16>(), didx.get<int32_t>(), dw.get<float>(), ex, c.expert_begin,
                                    c.expert_count, dy.get<bf16>(), dscr.get(), c.rows, c.k, c.L, c.I, kSitu),
@@ -602,6 +603,16 @@ TEST(CudaMoe, MoeExpertsMatchesCpuWithEitherTeamSize) {
     check_moe_experts({8, 2, 512, 3072, 8, 0, 8, 2}, 9340 + team);
     check_moe_experts({1, 16, 3584, 3072, 896, 280, 28, 2}, 9350 + team);
   }
+}
+
+// One choice per row (k = 1, as the EP owner and the loopback call it): the split-K kernel (1-2 pairs per
+// expert, the K3 shapes) and the ring kernel (6 and 24 pairs per expert), a row with no local expert (row 0).
+TEST(CudaMoe, MoeExpertsOneChoicePerRow) {
+  K3_REQUIRE_GPU();
+  check_moe_experts({7, 1, 64, 96, 16, 4, 8, 1}, 9500);
+  check_moe_experts({3, 1, 3584, 3072, 896, 280, 28, 1}, 9501);
+  check_moe_experts({24, 1, 64, 96, 4, 0, 4, 1}, 9502);
+  check_moe_experts({96, 1, 96, 160, 4, 0, 4, 1}, 9503);
 }
 
 TEST(CudaMoe, MoeExpertsRejectsBadArguments) {
