@@ -11,6 +11,10 @@
 # K3_AB_VARIANT (default k3) the model. Every step runs under `timeout` (scripts/device-lib.sh), so the
 # script ends by K3_DEADLINE_S; a bench cut by its timeout keeps the points it wrote. Logs and JSON go to
 # $OUT (default out/ab), then into $OUT/all.tgz; summary.txt and steps.txt stay beside it.
+#
+# VAR = BIN: an A/B of builds instead of a knob. The values are folders of carried binaries (each with its
+# k3decode), run in turn with the environment as it is and labelled by their folder names (which must differ):
+#   scripts/device-ab.sh BIN "out/bin-old out/bin-new" --batches 1 8 --q 1 4
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 [ $# -ge 2 ] || { echo "usage: scripts/device-ab.sh VAR \"V1 V2 ...\" [bench args]" >&2; exit 2; }
@@ -19,9 +23,29 @@ read -ra values <<<"$2"
 shift 2
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--batches 1 8 64 --q 1 4)
+# The values' labels (file names, the summary's columns): the values, or with BIN the folders' names.
+labels=()
+for v in "${values[@]}"; do
+  if [ "$var" = BIN ]; then
+    [ -x "$v/k3decode" ] || { echo "device-ab.sh BIN: no k3decode in '$v'" >&2; exit 2; }
+    labels+=("$(basename "$v")")
+  else
+    labels+=("$v")
+  fi
+done
+[ "$(printf '%s\n' "${labels[@]}" | sort -u | wc -l)" -eq ${#labels[@]} ] ||
+  { echo "device-ab.sh: the values' labels repeat (${labels[*]})" >&2; exit 2; }
 name=ab
 source scripts/device-lib.sh
 [ -n "${K3_BIN:-}" ] && bin=$K3_BIN && export LD_LIBRARY_PATH="$bin:$LD_LIBRARY_PATH"
+# k3 I: the k3decode command of value I in k3cmd: the knob set in its environment, or (BIN) value I's binary.
+k3() {
+  if [ "$var" = BIN ]; then
+    k3cmd=("${values[$1]}/k3decode")
+  else
+    k3cmd=(env "$var=${values[$1]}" "$bin/k3decode")
+  fi
+}
 read -ra modes <<<"${K3_AB_STEPS:-stock hybrid}"
 variant=${K3_AB_VARIANT:-k3}
 
@@ -30,26 +54,30 @@ variant=${K3_AB_VARIANT:-k3}
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv,noheader
 } 2>&1 | tee "$out/machine.txt"
 
-[ -z "${K3_BIN:-}" ] && step build 300 bash -c "cmake -S . -B $bin -G Ninja -DCMAKE_BUILD_TYPE=Release && \
+[ -z "${K3_BIN:-}" ] && [ "$var" != BIN ] && step build 300 bash -c "cmake -S . -B $bin -G Ninja -DCMAKE_BUILD_TYPE=Release && \
   cmake --build $bin -j $(nproc) --target k3decode"
 
 if [ -n "${K3_AB_OPS:-}" ]; then
-  for v in "${values[@]}"; do
-    step "ops_$v" 90 env "$var=$v" "$bin/k3decode" bench --ops --ops-only "$K3_AB_OPS" --commit "$commit" \
+  for i in "${!values[@]}"; do
+    v=${labels[$i]}
+    k3 "$i"
+    step "ops_$v" 90 "${k3cmd[@]}" bench --ops --ops-only "$K3_AB_OPS" --commit "$commit" \
       --json "$logs/ops_$v.json"
   done
 fi
 for rep in $(seq 1 "${K3_AB_REPS:-1}"); do
-  for v in "${values[@]}"; do
+  for i in "${!values[@]}"; do
+    v=${labels[$i]}
+    k3 "$i"
     for m in "${modes[@]}"; do
-      step "bench_${m}_${v}_r$rep" 150 env "$var=$v" "$bin/k3decode" bench --preset k3-rank-slice \
+      step "bench_${m}_${v}_r$rep" 150 "${k3cmd[@]}" bench --preset k3-rank-slice \
         --variant "$variant" --tp 8 --dp 4 --rank 0 --context 8192 "${args[@]}" --iters 50 --steps "$m" \
         --commit "$commit" --json "$logs/ab_${m}_${v}_r$rep.json"
     done
   done
 done
 
-python3 - "$logs" "${values[@]}" >"$out/summary.txt" 2>&1 <<'EOF' || status=1
+python3 - "$logs" "${labels[@]}" >"$out/summary.txt" 2>&1 <<'EOF' || status=1
 import glob, json, os, re, statistics, sys
 
 d, values = sys.argv[1], sys.argv[2:]
