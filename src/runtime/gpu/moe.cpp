@@ -35,8 +35,8 @@ bool moe_shared_group_default() {
 // member, and z holds this member's Ll columns of them (ops/ep.h's sliced exchange); the router, the latent
 // down and the shared gate / up then read the same m rows and, with moe_shared_group (options.h), run as one
 // projection group where linear_group takes a GLU member (up to 2 rows, or the rows kernel's) or the
-// tensor-core group takes the rows. With real collectives every rank calls it for every MoE layer, real = 0 included (the EP exchange
-// spans the world).
+// tensor-core group takes the rows. With real collectives every rank calls it for every MoE layer, real = 0
+// included (the EP exchange spans the world).
 void GpuRank::moe(int l, Act xa, int64_t row0, int64_t, int64_t real, Act outa, SharedPart shared) {
   const MoeWeights& w = weights_.w.layers[l].moe;
   const auto& e = c_.moe;

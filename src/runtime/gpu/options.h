@@ -25,7 +25,7 @@ struct GpuRankOptions {
   RankGroups* groups = nullptr; // real collectives: this rank's device comms (outlive the GpuRank)
   StepOptions steps;            // the step a decoder takes (choose_step)
   // The hybrid step's TP-sharded shared experts in the router's projection group where the latent down is
-  // sliced and the rows are past one and within the tensor-core group's (gpu/moe.cpp); default
+  // sliced, at 1-2 rows and the tensor-core group's rows (gpu/moe.cpp); default
   // K3_MOE_SHARED_GROUP (1 unless set to 0, docs/PERF.md).
   bool moe_shared_group = moe_shared_group_default();
 };
