@@ -15,6 +15,10 @@
 # VAR = BIN: an A/B of builds instead of a knob. The values are folders of carried binaries (each with its
 # k3decode), run in turn with the environment as it is and labelled by their folder names (which must differ):
 #   scripts/device-ab.sh BIN "out/bin-old out/bin-new" --batches 1 8 --q 1 4
+#
+# VAR = --flag: an A/B of a bench flag, given to the step bench as "--flag V" (after the bench args; there
+# is no ops section for a flag), e.g. the rank slice with and without layer weight copies:
+#   K3_BIN=out/bin K3_AB_STEPS=hybrid scripts/device-ab.sh --layer-copies "0 2" --batches 1 8 --q 1 4
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 [ $# -ge 2 ] || { echo "usage: scripts/device-ab.sh VAR \"V1 V2 ...\" [bench args]" >&2; exit 2; }
@@ -38,10 +42,15 @@ done
 name=ab
 source scripts/device-lib.sh
 [ -n "${K3_BIN:-}" ] && bin=$K3_BIN && export LD_LIBRARY_PATH="$bin:$LD_LIBRARY_PATH"
-# k3 I: the k3decode command of value I in k3cmd: the knob set in its environment, or (BIN) value I's binary.
+# k3 I: the k3decode command of value I in k3cmd: the knob set in its environment, or (BIN) value I's binary;
+# k3flag: what the step bench of value I takes after its args (a flag VAR and its value, else nothing).
 k3() {
+  k3flag=()
   if [ "$var" = BIN ]; then
     k3cmd=("${values[$1]}/k3decode")
+  elif [[ "$var" == --* ]]; then
+    k3cmd=("$bin/k3decode")
+    k3flag=("$var" "${values[$1]}")
   else
     k3cmd=(env "$var=${values[$1]}" "$bin/k3decode")
   fi
@@ -57,7 +66,9 @@ variant=${K3_AB_VARIANT:-k3}
 [ -z "${K3_BIN:-}" ] && [ "$var" != BIN ] && step build 300 bash -c "cmake -S . -B $bin -G Ninja -DCMAKE_BUILD_TYPE=Release && \
   cmake --build $bin -j $(nproc) --target k3decode"
 
-if [ -n "${K3_AB_OPS:-}" ]; then
+if [ -n "${K3_AB_OPS:-}" ] && [[ "$var" == --* ]]; then
+  echo "device-ab.sh: K3_AB_OPS ignored: $var is a flag of the step bench" | tee -a "$out/machine.txt"
+elif [ -n "${K3_AB_OPS:-}" ]; then
   for i in "${!values[@]}"; do
     v=${labels[$i]}
     k3 "$i"
@@ -71,7 +82,7 @@ for rep in $(seq 1 "${K3_AB_REPS:-1}"); do
     k3 "$i"
     for m in "${modes[@]}"; do
       step "bench_${m}_${v}_r$rep" 150 "${k3cmd[@]}" bench --preset k3-rank-slice \
-        --variant "$variant" --tp 8 --dp 4 --rank 0 --context 8192 "${args[@]}" --iters 50 --steps "$m" \
+        --variant "$variant" --tp 8 --dp 4 --rank 0 --context 8192 "${args[@]}" "${k3flag[@]}" --iters 50 --steps "$m" \
         --commit "$commit" --json "$logs/ab_${m}_${v}_r$rep.json"
     done
   done

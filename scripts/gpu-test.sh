@@ -17,6 +17,9 @@
 # the step modes and their order (each mode for every variant, then the next);
 # K3_BENCH_BATCHES (default "1 8 32 64") the requests per step (e.g. "1 8" on an
 # 80 GB H100, where 32 and 64 do not fit beside the slice's weights);
+# K3_BENCH_LAYER_COPIES (default 0: every layer its own weights) gives the
+# bench --layer-copies, so that every point and mode fits an 80 GB GPU (its
+# JSON records it; docs/PERF.md says when such a table stands for the real one);
 # K3_BENCH_DEADLINE (seconds from the start of the bench, default none) skips a
 # process that would start with less than a minute left and stops the one
 # running at the deadline, so that a lent call ends with what it measured
@@ -49,6 +52,11 @@ for mode in "${modes[@]}"; do
     *) echo "K3_BENCH_MODES: unknown mode '$mode' (stock, hybrid, hybrid-replicated)" >&2; exit 2 ;;
   esac
 done
+if ! [[ "${K3_BENCH_LAYER_COPIES:-0}" =~ ^[0-9]+$ ]]; then
+  echo "K3_BENCH_LAYER_COPIES: '$K3_BENCH_LAYER_COPIES' is not a number of weight copies (0: none)" >&2; exit 2
+fi
+copies=()
+[ "${K3_BENCH_LAYER_COPIES:-0}" -gt 0 ] && copies=(--layer-copies "$K3_BENCH_LAYER_COPIES")
 if ! [[ "${K3_BENCH_DEADLINE:-}" =~ ^[0-9]*$ ]]; then
   echo "K3_BENCH_DEADLINE: '$K3_BENCH_DEADLINE' is not a number of seconds" >&2; exit 2
 fi
@@ -127,7 +135,7 @@ if [ "$bench" = 1 ]; then
       fi
       st=${mode%-replicated} shared=(); [ "$mode" = hybrid-replicated ] && shared=(--shared-experts replicated)
       "${limit[@]}" "$bin/k3decode" bench --preset k3-rank-slice --variant "$v" --tp 8 --dp 4 --rank 0 --context 8192 \
-        --batches "${batches[@]}" --q 1 4 --iters 50 --steps "$st" "${shared[@]}" --commit "$commit" \
+        --batches "${batches[@]}" --q 1 4 --iters 50 --steps "$st" "${shared[@]}" "${copies[@]}" --commit "$commit" \
         --json "$out/rank_slice_${v}_$mode.json" 2>&1 | tee "$out/bench_${v}_$mode.log" || status=1
     done
   done

@@ -13,7 +13,9 @@ docs/perf/history.csv; it is created with its header when missing.
 One row per (commit, variant, step, B, q): step = stock, hybrid (the seed's,
 replicated shared experts) or hybrid-tp (--shared-experts tp); B = requests, q = tokens per request,
 time_ms = median of the timed graph replays, floor_ms = bytes touched / the HBM
-read bandwidth measured in the same run (hbm_gbps). A point already in the
+read bandwidth measured in the same run (hbm_gbps); a run with layer weight
+copies (bench --layer-copies N, for a GPU too small for the slice) is its own
+series, step "<step>-copiesN". A point already in the
 file is left as it is and reported (so running twice adds nothing). Only
 rank-slice points are taken (preset k3-rank-slice, or the slice's header in a
 log): the history compares like with like. Standard library only.
@@ -32,6 +34,8 @@ ROW = re.compile(r"^\s*(stock|hybrid)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)
                  r"\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s*$")
 HBM = re.compile(r"HBM read bandwidth.*:\s*([\d.]+)\s*GB/s")
 SLICE = re.compile(r"building the rank slice \((k3(?:\.1)?) ")
+COPIES = re.compile(r"^weights .*\((?:.*; )?(\d+) copies per layer kind\)")
+WEIGHTS = re.compile(r"^weights ")
 
 
 def row(commit, variant, step, b, q, median_us, floor_us, hbm):
@@ -53,6 +57,8 @@ def from_json(path, commit):
             sys.exit(f"perf-history: {path} names no commit; pass --commit")
         # The hybrid step with TP-sharded shared experts (--shared-experts tp) is its own series.
         step = r["step"] + ("-tp" if r.get("shared_experts") == "tp" else "")
+        if r.get("layer_copies", 0) > 0:
+            step += f"-copies{r['layer_copies']}"
         out.append(row(c, r["variant"], step, r["requests"], r["q"], r["median_us"], r["floor_us"],
                        r.get("hbm_gbps")))
     return out
@@ -61,15 +67,19 @@ def from_json(path, commit):
 def from_log(path, commit):
     if not commit:
         sys.exit("perf-history: --log needs --commit (the printed table names none)")
-    variant, hbm, out = None, None, []
+    variant, hbm, copies, out = None, None, 0, []
     with open(path) as f:
         for line in f:
             if m := HBM.search(line):
                 hbm = float(m.group(1))
             elif m := SLICE.search(line):
                 variant = m.group(1)
+            elif WEIGHTS.match(line):  # each rank built says whether its layers share weight copies
+                m = COPIES.match(line)
+                copies = int(m.group(1)) if m else 0
             elif (m := ROW.match(line)) and variant:
                 step, b, q, _rows, _ctx, med, _mn, _mx, _mb, floor, _ratio = m.groups()
+                step += f"-copies{copies}" if copies else ""
                 out.append(row(commit, variant, step, int(b), int(q), float(med), float(floor), hbm))
     if variant is None:
         sys.exit(f"perf-history: {path} is not a rank-slice log (no 'building the rank slice' line)")

@@ -1,25 +1,26 @@
 #!/usr/bin/env bash
 # scripts/device-ab.sh with stand-in k3decode binaries (no GPU): a knob's values and (VAR = BIN) two builds'
 # folders run in turn, K3_AB_REPS times, each step mode and the ops section in their own processes; the
-# summary gives each point's median per value and the change against the first; BIN refuses a folder
+# summary gives each point's median per value and the change against the first; a bench flag's values go to
+# the step bench as "--flag V" (no ops section); BIN refuses a folder
 # without k3decode and folders whose names repeat (exit status 2) before anything runs.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*"; cat "$tmp/log" 2>/dev/null; exit 1; }
-# stub DIR BASE: a k3decode whose step points take BASE us (+ K3_X when set) and whose ops take BASE / 10,
+# stub DIR BASE: a k3decode whose step points take BASE us (+ K3_X when set, + its --x flag) and whose ops take BASE / 10,
 # each call logged to $tmp/calls.txt as "DIR steps-or-ops".
 stub() {
   mkdir -p "$1"
   cat >"$1/k3decode" <<STUB
 #!/usr/bin/env bash
-st=ops json=""
+st=ops json="" x=0
 while [ \$# -gt 0 ]; do
-  case "\$1" in --steps) st=\$2; shift ;; --json) json=\$2; shift ;; esac
+  case "\$1" in --steps) st=\$2; shift ;; --json) json=\$2; shift ;; --x) x=\$2; shift ;; esac
   shift
 done
-t=\$(( $2 + \${K3_X:-0} ))
+t=\$(( $2 + \${K3_X:-0} + x ))
 echo "$(basename "$1") \$st" >>"$tmp/calls.txt"
 if [ "\$st" = ops ]; then
   echo "[{\"op\": \"moe_experts\", \"shape\": \"2 x 1\", \"us\": \$(( t / 10 ))}]" >"\$json"
@@ -47,7 +48,14 @@ K3_BIN="$tmp/old" K3_AB_STEPS=hybrid OUT="$tmp/out" K3_COMMIT=test \
   "$root/scripts/device-ab.sh" K3_X "0 100" --batches 1 --q 1 >"$tmp/log" 2>&1 || fail "knob run failed"
 grep -Eq "hybrid +tp +1 +1 +1000.0 +1100.0 +\+10.0%" "$tmp/out/summary.txt" || fail "knob summary: $(cat "$tmp/out/summary.txt")"
 
-# 3. Refused before anything runs: a folder without k3decode, two folders of one name.
+# 3. A bench flag's values, given to the step bench after its args; K3_AB_OPS has no section to run for a flag.
+rm -rf "$tmp/calls.txt" "$tmp/out"
+K3_BIN="$tmp/old" K3_AB_STEPS=hybrid K3_AB_OPS=moe OUT="$tmp/out" K3_COMMIT=test \
+  "$root/scripts/device-ab.sh" --x "0 50" --batches 1 --q 1 >"$tmp/log" 2>&1 || fail "flag run failed"
+printf 'old hybrid\nold hybrid\n' | diff - "$tmp/calls.txt" >/dev/null || fail "flag calls: $(cat "$tmp/calls.txt")"
+grep -Eq "hybrid +tp +1 +1 +1000.0 +1050.0 +\+5.0%" "$tmp/out/summary.txt" || fail "flag summary: $(cat "$tmp/out/summary.txt")"
+
+# 4. Refused before anything runs: a folder without k3decode, two folders of one name.
 rm -f "$tmp/calls.txt"
 mkdir -p "$tmp/empty" "$tmp/a/new"
 stub "$tmp/a/new" 800

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -14,6 +15,7 @@
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -178,6 +180,44 @@ TEST(ConfigLayerPlan, NoDenseLayerWhenFirstKDenseIsZero) {
   j["text_config"]["first_k_dense_replace"] = 0;
   const auto plan = k3::LayerPlan::from(k3::ModelConfig::from_json(j));
   for (const auto& li : plan.layers) EXPECT_EQ(li.ffn, FfnKind::MoE);
+}
+
+// A benchmark rank whose layers of one kind share `copies` sets of weights: checked against the kind lists
+// built here (a layer reads the weights of the layer at its index modulo copies in its kind's list).
+TEST(ConfigLayerPlan, WeightSourcesRotateWithinEachKind) {
+  for (const std::string& path : {kK3, kK31}) {
+    const auto plan = k3::LayerPlan::from(k3::ModelConfig::from_file(path));
+    const int L = static_cast<int>(plan.layers.size());
+    std::vector<std::vector<int>> lists;  // the layers of each (attention, FFN) kind, in order
+    std::vector<int> list_of(static_cast<size_t>(L), -1);
+    for (int l = 0; l < L; ++l) {
+      for (int k = 0; k < static_cast<int>(lists.size()) && list_of[l] < 0; ++k) {
+        const auto& first = plan.layers[static_cast<size_t>(lists[k][0])];
+        if (first.attn == plan.layers[l].attn && first.ffn == plan.layers[l].ffn) list_of[l] = k;
+      }
+      if (list_of[l] < 0) {
+        list_of[l] = static_cast<int>(lists.size());
+        lists.emplace_back();
+      }
+      lists[static_cast<size_t>(list_of[l])].push_back(l);
+    }
+    ASSERT_GE(lists.size(), 3u) << path;  // dense, KDA + MoE, full attention + MoE
+    for (int copies : {0, 1, 2, 3, 7, 1000}) {
+      const std::vector<int> src = plan.weight_sources(copies);
+      ASSERT_EQ(static_cast<int>(src.size()), L);
+      for (const auto& list : lists)
+        for (size_t i = 0; i < list.size(); ++i) {
+          const int want = copies == 0 ? list[i] : list[i % static_cast<size_t>(copies)];
+          EXPECT_EQ(src[static_cast<size_t>(list[i])], want) << path << " copies " << copies << " layer " << list[i];
+        }
+      std::set<int> distinct(src.begin(), src.end());
+      size_t expect = 0;
+      for (const auto& list : lists) expect += copies == 0 ? list.size() : std::min(list.size(), size_t(copies));
+      EXPECT_EQ(distinct.size(), expect) << path << " copies " << copies;
+    }
+  }
+  const auto plan = k3::LayerPlan::from(k3::ModelConfig::from_file(kK3));
+  EXPECT_THROW(plan.weight_sources(-1), std::exception);
 }
 
 // ---------------------------------------------------------------- parameter count

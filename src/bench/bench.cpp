@@ -158,6 +158,11 @@ GpuFill random_fill(uint64_t seed, cudaStream_t s) {
 }  // namespace
 
 int run_bench(const BenchArgs& args) {
+  // The arguments first (no GPU needed to refuse them).
+  K3_CHECK(args.layer_copies >= 0, "bench: --layer-copies {}: expected 0 (every layer its own) or a positive count",
+           args.layer_copies);
+  K3_CHECK(args.layer_copies == 0 || (!args.ops && args.preset == "k3-rank-slice" && args.model_dir.empty()),
+           "bench: --layer-copies is for the rank slice's random weights (--preset k3-rank-slice, no --model, no --ops)");
   ops::cuda::ScopedContext owned;
   ops::cuda::Context& ctx = owned.get();
   cudaStream_t s = reinterpret_cast<cudaStream_t>(ctx.stream);
@@ -174,6 +179,7 @@ int run_bench(const BenchArgs& args) {
   GpuRankOptions go;
   std::shared_ptr<const TensorSource> src;
   bool slice = args.preset == "k3-rank-slice" && args.model_dir.empty();
+
   if (slice) {
     c = preset_config("full", args.variant);
     shard = ShardSpec{args.tp, args.rank % args.tp, args.tp * args.dp, args.rank};
@@ -217,7 +223,7 @@ int run_bench(const BenchArgs& args) {
     sh.ffn_tp = ffn_tp;
     GpuRankOptions o = go;
     o.shard = sh;
-    GpuWeights weights = slice ? build_gpu_weights(c, sh, nullptr, random_fill(args.seed, s))
+    GpuWeights weights = slice ? build_gpu_weights(c, sh, nullptr, random_fill(args.seed, s), args.layer_copies)
                                : load_gpu_weights(*src, c, sh);
     const double wbytes = static_cast<double>(weights.bytes);
     rank = std::make_unique<GpuRank>(c, std::move(weights), o, ctx);
@@ -230,8 +236,10 @@ int run_bench(const BenchArgs& args) {
       rank->set_context(slots.back(), args.context);
     }
     CUDA_CHECK(cudaStreamSynchronize(s));
-    fmt::print("weights {:.1f} GB ({} shared experts / dense MLP), caches {:.1f} GB on the device\n", wbytes / 1e9,
-               ffn_tp ? "TP-sharded" : "replicated", rank->cache_bytes() / 1e9);
+    fmt::print("weights {:.1f} GB ({} shared experts / dense MLP{}), caches {:.1f} GB on the device\n", wbytes / 1e9,
+               ffn_tp ? "TP-sharded" : "replicated",
+               args.layer_copies > 0 ? fmt::format("; {} copies per layer kind", args.layer_copies) : "",
+               rank->cache_bytes() / 1e9);
   };
   // What did not fit names what was being built (the caches and workspace grow with the largest B, q and
   // context asked for).
@@ -241,7 +249,8 @@ int run_bench(const BenchArgs& args) {
     } catch (const OutOfDeviceMemory& e) {
       rank.reset();
       fail("bench: {} ({}, shared experts / dense MLP {}) for up to {} requests x {} tokens at context {} does not "
-           "fit this GPU: {}; ask for fewer --batches, a smaller --context, or run it on a larger GPU",
+           "fit this GPU: {}; ask for fewer --batches, a smaller --context, --layer-copies 2 (the rank slice), or run "
+           "it on a larger GPU",
            what, variant, ffn_tp ? "TP-sharded" : "replicated", maxB, maxq, args.context, e.what());
     }
   };
@@ -332,6 +341,7 @@ int run_bench(const BenchArgs& args) {
                            {"q", q},
                            {"rows", B * q},
                            {"context", args.context},
+                           {"layer_copies", args.layer_copies},
                            {"median_us", med},
                            {"min_us", mn},
                            {"max_us", mx},

@@ -33,6 +33,7 @@ struct BenchArgs {
   std::vector<std::string> steps = {"stock", "hybrid"};
   std::string shared_experts = "auto";  // auto (stock: replicated, hybrid: tp) | replicated | tp
   int64_t context = 8192;
+  int layer_copies = 0;           // rank slice: weight sets per layer kind (LayerPlan::weight_sources); 0 = all distinct
   int warmup = 5;
   int iters = 50;
   uint64_t seed = 1;

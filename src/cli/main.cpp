@@ -256,6 +256,11 @@ int main(int argc, char** argv) {
   bench->add_option("--shared-experts", ba.shared_experts,
                     "auto (stock: replicated, hybrid: tp) | replicated | tp")->capture_default_str();
   bench->add_option("--context", ba.context, "cached tokens per request")->capture_default_str();
+  bench->add_option("--layer-copies", ba.layer_copies,
+                    "rank slice: the layers of one kind share this many sets of weights, so that the slice fits "
+                    "an 80 GB GPU (every layer's weights are still read from HBM; the floor is unchanged); "
+                    "0: every layer its own")
+      ->capture_default_str();
   bench->add_option("--iters", ba.iters, "timed graph replays per point")->capture_default_str();
   bench->add_option("--warmup", ba.warmup, "untimed replays first")->capture_default_str();
   bench->add_option("--json", ba.json, "write one record per point");

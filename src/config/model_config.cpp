@@ -328,4 +328,22 @@ int LayerPlan::count(AttnKind k) const {
   return static_cast<int>(std::count_if(layers.begin(), layers.end(), [k](const LayerInfo& l) { return l.attn == k; }));
 }
 
+std::vector<int> LayerPlan::weight_sources(int copies) const {
+  K3_CHECK(copies >= 0, "layer weight copies: {} (expected 0 = every layer its own, or a positive count)", copies);
+  std::vector<int> src(layers.size());
+  // The layers of each kind so far, in order: the i-th of a kind reads the (i % copies)-th's weights.
+  std::vector<std::pair<std::pair<AttnKind, FfnKind>, std::vector<int>>> kinds;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    src[l] = static_cast<int>(l);
+    if (copies == 0) continue;
+    const auto kind = std::make_pair(layers[l].attn, layers[l].ffn);
+    auto it = std::find_if(kinds.begin(), kinds.end(), [&](const auto& k) { return k.first == kind; });
+    if (it == kinds.end()) it = kinds.insert(kinds.end(), {kind, {}});
+    std::vector<int>& seen = it->second;
+    if (static_cast<int>(seen.size()) >= copies) src[l] = seen[seen.size() % static_cast<size_t>(copies)];
+    seen.push_back(static_cast<int>(l));
+  }
+  return src;
+}
+
 }  // namespace k3

@@ -103,6 +103,11 @@ struct LayerPlan {
   int num_blocks = 0;  // ceil(L / block_size): blocks mixed by the final attn_res
   static LayerPlan from(const ModelConfig& c);
   int count(AttnKind k) const;
+  // Whose weights each layer reads when the layers of one kind (attention kind and FFN kind) share
+  // `copies` sets of weights (a benchmark's rank that would not fit the GPU otherwise): layer l reads
+  // those of the (i % copies)-th layer of its kind, i its index among them. copies = 0: every layer its
+  // own (l -> l). [layers]; copies < 0 is an error.
+  std::vector<int> weight_sources(int copies) const;
 };
 
 }  // namespace k3

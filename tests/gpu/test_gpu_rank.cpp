@@ -1,6 +1,7 @@
 // The whole tiny model on the GPU (GpuRank) against the CPU engine: logits over
 // prefill chunks, decode steps, a verify step with partial accept and the steps
-// after it; CUDA graph replays against eager execution.
+// after it; CUDA graph replays against eager execution; the bench's layer weight
+// copies against a rank built with those weights written out.
 #include <algorithm>
 
 #include "gpu_test_util.h"
@@ -128,6 +129,67 @@ TEST_P(GpuRankVsCpu, GraphReplayEqualsEager) {
   auto replay = p.gpu->logits();
   gputest::expect_close(graph, eager, 0.0, 1e-3 * (1 + std::fabs(eager[0])), "graph vs eager");
   EXPECT_EQ(graph, replay);
+}
+
+// The bench's layer weight copies (build_gpu_weights' layer_copies): a rank whose layers of one kind share
+// one set of weights holds its source layers' device pointers and steps bit for bit as a rank built from
+// host weights in which every layer is given its source layer's weights (separate device buffers). A
+// missed pointer table or a step that wrote into a shared weight would break the equality.
+TEST_P(GpuRankVsCpu, LayerWeightCopiesStepAsTheirSourceLayers) {
+  K3_REQUIRE_GPU();
+  const ModelConfig config = preset_config("tiny", GetParam());
+  const auto src = make_synthetic(config, 5);
+  ModelWeights host = load_weights(config, *src);
+  const std::vector<int> from = LayerPlan::from(config).weight_sources(1);
+  int copied = 0;
+  for (size_t l = 0; l < from.size(); ++l) copied += from[l] != static_cast<int>(l);
+  ASSERT_GT(copied, 0) << "the tiny preset has one layer of each kind: nothing to share";
+  GpuRankOptions go;
+  go.max_slots = 2;
+  go.max_batch = 2;
+  go.max_q = 4;
+  go.max_context = 64;
+  go.page_size = 16;
+  GpuWeights shared = build_gpu_weights(config, {}, &host, upload_fill(), 1);
+  for (size_t l = 0; l < from.size(); ++l) {
+    const LayerWeights &a = shared.w.layers[l], &b = shared.w.layers[static_cast<size_t>(from[l])];
+    EXPECT_EQ(a.input_norm, b.input_norm) << "layer " << l;
+    EXPECT_EQ(a.attn, b.attn) << "layer " << l;
+    if (a.ffn == FfnKind::MoE) {
+      EXPECT_EQ(a.moe.gate, b.moe.gate) << "layer " << l;
+      EXPECT_EQ(shared.tables[l].w1_packed, shared.tables[static_cast<size_t>(from[l])].w1_packed) << "layer " << l;
+    }
+    if (from[l] == static_cast<int>(l))
+      for (size_t k = 0; k < l; ++k) EXPECT_NE(shared.w.layers[k].input_norm, a.input_norm) << l << " vs " << k;
+  }
+  const std::vector<LayerWeights> own = host.layers;
+  for (size_t l = 0; l < from.size(); ++l) host.layers[l] = own[static_cast<size_t>(from[l])];
+  GpuWeights written_out = build_gpu_weights(config, {}, &host, upload_fill());
+  host.layers = own;
+  // Each rank alone on the test context (one after the other), the same tokens: a prefill of 4, 3 decodes.
+  auto run = [&](GpuWeights w) {
+    GpuRank r(config, std::move(w), go, gputest::ctx());
+    const int slot = r.admit();
+    Rng rng(13);
+    std::vector<std::vector<float>> logits;
+    for (int step = 0; step < 4; ++step) {
+      const int q = step == 0 ? 4 : 1;
+      std::vector<int32_t> t(static_cast<size_t>(q));
+      for (auto& x : t) x = static_cast<int32_t>(rng.below(static_cast<uint64_t>(config.vocab_size)));
+      r.prepare(std::vector<int>{slot}, q, t);
+      r.run_graph(StepKind::Hybrid);
+      logits.push_back(r.logits());
+      r.commit(std::vector<int>{slot}, std::vector<int>{q});
+    }
+    return logits;
+  };
+  const auto la = run(std::move(shared)), lb = run(std::move(written_out));
+  ASSERT_EQ(la.size(), lb.size());
+  for (size_t step = 0; step < la.size(); ++step) {
+    ASSERT_FALSE(la[step].empty());
+    EXPECT_GT(*std::max_element(la[step].begin(), la[step].end()), *std::min_element(la[step].begin(), la[step].end()));
+    EXPECT_EQ(la[step], lb[step]) << "step " << step;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, GpuRankVsCpu, ::testing::Values("k3", "k3.1"));

@@ -15,7 +15,7 @@ GpuFill upload_fill() {
 }
 
 GpuWeights build_gpu_weights(const ModelConfig& c, const ShardSpec& shard, const ModelWeights* host,
-                             const GpuFill& fill) {
+                             const GpuFill& fill, int layer_copies) {
   check_shardable(c, shard);
   GpuWeights g;
   auto put = [&](const void* h, int64_t n, DType dt, const std::string& role) -> void* {
@@ -45,8 +45,14 @@ GpuWeights build_gpu_weights(const ModelConfig& c, const ShardSpec& shard, const
   w.lm_head = bf(H.lm_head, w.vocab_count * D, "lm_head");
   const LayerPlan plan = LayerPlan::from(c);
   const int64_t per_rank = c.moe.num_experts / shard.world_size;
+  const std::vector<int> source = plan.weight_sources(layer_copies);
   g.tables.resize(static_cast<size_t>(c.num_layers));
   for (int l = 0; l < c.num_layers; ++l) {
+    if (const int from = source[static_cast<size_t>(l)]; from != l) {  // a copy of an earlier layer of its kind
+      w.layers.push_back(w.layers[static_cast<size_t>(from)]);
+      g.tables[static_cast<size_t>(l)] = g.tables[static_cast<size_t>(from)];
+      continue;
+    }
     const LayerWeights* hl = host ? &host->layers[l] : nullptr;
     const LayerWeights hz;
     const LayerWeights& h = hl ? *hl : hz;
