@@ -1,5 +1,6 @@
 // The engine's environment knobs (K3_PDL, K3_LINEAR_ROWS_MAX, K3_LINEAR_GROUP, K3_LINEAR_GROUP_ROWS_MAX,
-// K3_LINEAR_TC_ROWS_MAX, K3_LINEAR_TC_WARPS, K3_LINEAR_GLU_TC, K3_MOE_WG, K3_MOE_TEAM, K3_MOE_SHARED_GROUP:
+// K3_LINEAR_TC_ROWS_MAX, K3_LINEAR_TC_WARPS, K3_LINEAR_GLU_TC, K3_LINEAR_PRELOAD, K3_MOE_WG, K3_MOE_TEAM,
+// K3_MOE_SHARED_GROUP:
 // A/B switches of the GPU kernels, docs/PERF.md), all read one way: an integer in [lo, hi], and where step > 1 one of lo, lo + step, ...
 // Unset gives the fallback; a value that is not such an integer gives the fallback with one warning on
 // stderr naming the variable, the value and what it takes, so that a mistyped A/B run does not silently

@@ -33,6 +33,7 @@
 #include <cublasLt.h>
 
 #include <algorithm>
+#include <atomic>
 #include <utility>
 
 #include "core/env.h"
@@ -60,7 +61,7 @@ template <int RT, int VEC>
 __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                           void* __restrict__ y, bool y_f32, bool add, int64_t rows, int64_t in,
                                           int64_t x_ld, int64_t out, int64_t row_tiles, int64_t block,
-                                          float (&red)[kLinThreads / kWarp][kLinOut * RT]) {
+                                          float (&red)[kLinThreads / kWarp][kLinOut * RT], bool preload) {
   const int64_t rt = block % row_tiles, ot = block / row_tiles;
   const int64_t r0 = rt * RT, o0 = ot * kLinOut;
   const int nr = static_cast<int>(min(static_cast<int64_t>(RT), rows - r0));
@@ -70,7 +71,7 @@ __device__ __forceinline__ void rows_tile(const bf16* __restrict__ x, const bf16
   const bf16* wrow[kLinOut];
 #pragma unroll
   for (int o = 0; o < kLinOut; ++o) wrow[o] = w + (o0 + min(o, no - 1)) * in;
-  rows_detail::tile_sums<RT, VEC>(x, wrow, r0, nr, in, x_ld, red);
+  rows_detail::tile_sums<RT, VEC>(x, wrow, r0, nr, in, x_ld, red, preload);
 
   const int t = threadIdx.x;
   if (t < kLinOut * RT) {
@@ -97,12 +98,12 @@ template <int RT, int VEC>
 __device__ __forceinline__ void glu_tile(const bf16* __restrict__ x, const bf16* __restrict__ wg,
                                          const bf16* __restrict__ wu, bf16* __restrict__ h, int64_t rows, int64_t in,
                                          int64_t out, int64_t row_tiles, int64_t block, SituParams p,
-                                         float (&red)[kLinThreads / kWarp][kLinOut * RT]) {
+                                         float (&red)[kLinThreads / kWarp][kLinOut * RT], bool preload) {
   const int64_t r0 = (block % row_tiles) * RT, f = (block / row_tiles) * 2;
   const int nr = static_cast<int>(min(static_cast<int64_t>(RT), rows - r0));
   const int nf = static_cast<int>(min(int64_t{2}, out - f));
   const bf16* const wrow[kLinOut] = {wg + f * in, wg + (f + nf - 1) * in, wu + f * in, wu + (f + nf - 1) * in};
-  rows_detail::tile_sums<RT, VEC>(x, wrow, r0, nr, in, in, red);
+  rows_detail::tile_sums<RT, VEC>(x, wrow, r0, nr, in, in, red, preload);
   const int t = threadIdx.x;
   if (t < 2 * RT) {
     const int o = t / RT, r = t % RT;
@@ -117,27 +118,45 @@ __device__ __forceinline__ void glu_tile(const bf16* __restrict__ x, const bf16*
 template <int RT, int VEC>
 __global__ void __launch_bounds__(kLinThreads)
     linear_rows_kernel(const bf16* __restrict__ x, const bf16* __restrict__ w, void* __restrict__ y, bool y_f32,
-                       bool add, int64_t rows, int64_t in, int64_t x_ld, int64_t out, int64_t row_tiles) {
-  detail::pdl_wait();
-  detail::pdl_launch_dependents();
+                       bool add, int64_t rows, int64_t in, int64_t x_ld, int64_t out, int64_t row_tiles,
+                       bool preload) {
+  if (!preload) {  // else tile_sums waits once its first weight loads are issued
+    detail::pdl_wait();
+    detail::pdl_launch_dependents();
+  }
   __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
-  rows_tile<RT, VEC>(x, w, y, y_f32, add, rows, in, x_ld, out, row_tiles, blockIdx.x, red);
+  rows_tile<RT, VEC>(x, w, y, y_f32, add, rows, in, x_ld, out, row_tiles, blockIdx.x, red, preload);
 }
 
 template <int RT, int VEC>
 __global__ void __launch_bounds__(kLinThreads)
     linear_rows_group_kernel(const bf16* __restrict__ x, const __grid_constant__ GroupArgs g, int64_t rows,
-                             int64_t in, int64_t row_tiles) {
+                             int64_t in, int64_t row_tiles, bool preload) {
   const int64_t b = blockIdx.x;
   const int j = rows_detail::group_member(g, b);
-  detail::pdl_wait();
-  detail::pdl_launch_dependents();
+  if (!preload) {  // else tile_sums waits once its first weight loads are issued
+    detail::pdl_wait();
+    detail::pdl_launch_dependents();
+  }
   __shared__ float red[kLinThreads / kWarp][kLinOut * RT];
   if (g.w_up[j] != nullptr)
     glu_tile<RT, VEC>(x, g.w[j], g.w_up[j], static_cast<bf16*>(g.y[j]), rows, in, g.out[j], row_tiles, b - g.begin[j],
-                      SituParams{g.glu_beta[j], g.glu_linear_beta[j]}, red);
+                      SituParams{g.glu_beta[j], g.glu_linear_beta[j]}, red, preload);
   else
-    rows_tile<RT, VEC>(x, g.w[j], g.y[j], g.y_f32[j], false, rows, in, in, g.out[j], row_tiles, b - g.begin[j], red);
+    rows_tile<RT, VEC>(x, g.w[j], g.y[j], g.y_f32[j], false, rows, in, in, g.out[j], row_tiles, b - g.begin[j], red,
+                       preload);
+}
+
+// K3_LINEAR_PRELOAD / linear_rows_preload_force: whether the rows kernels issue their first weight loads
+// before the PDL wait (rows_detail::tile_sums; 16-byte chunks only).
+std::atomic<int> g_preload{-1};
+bool rows_preload(int vec) {
+  int v = g_preload.load(std::memory_order_relaxed);
+  if (v < 0) {
+    static const int env = static_cast<int>(env_int("K3_LINEAR_PRELOAD", 0, 1, 1));
+    v = env;
+  }
+  return vec == 8 && v == 1;
 }
 
 template <int RT, int VEC>
@@ -147,7 +166,7 @@ int launch_rows(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32,
   const int64_t blocks = row_tiles * ((out + kLinOut - 1) / kLinOut);
   if (blocks > 0x7fffffff) return cudaErrorInvalidConfiguration;
   return detail::launch(linear_rows_kernel<RT, VEC>, static_cast<unsigned>(blocks), kLinThreads, 0, s, x, w, y, y_f32,
-                        add, rows, in, x_ld, out, row_tiles);
+                        add, rows, in, x_ld, out, row_tiles, rows_preload(VEC));
 }
 
 // The one place the row count and the vector width become compile-time.
@@ -180,7 +199,7 @@ int launch_rows_group(const bf16* x, GroupArgs g, int64_t rows, int64_t in, cuda
     return cudaErrorInvalidConfiguration;
   const int64_t blocks = g.begin[g.n];
   return detail::launch(linear_rows_group_kernel<RT, VEC>, static_cast<unsigned>(blocks), kLinThreads, 0, s, x, g, rows,
-                        in, row_tiles);
+                        in, row_tiles, rows_preload(VEC));
 }
 
 template <int VEC>
@@ -280,6 +299,8 @@ bool linear_cublaslt(const Context& ctx, const bf16* x, int64_t x_ld, const bf16
 }
 
 }  // namespace
+
+void linear_rows_preload_force(int on) { g_preload.store(on == 0 || on == 1 ? on : -1, std::memory_order_relaxed); }
 
 int64_t linear_rows_kernel_max_rows() {
   static const int64_t max_rows = env_int("K3_LINEAR_ROWS_MAX", 1, 8, kLinearRowsKernelMaxRows);

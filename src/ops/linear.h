@@ -36,6 +36,11 @@ constexpr int64_t kLinearRowsKernelMaxRows = 1;
 // The row count up to which Auto (and linear_group) takes linear_rows_kernel: kLinearRowsKernelMaxRows,
 // or K3_LINEAR_ROWS_MAX=1..8 in the environment (read once; A/B runs of the step with one binary).
 int64_t linear_rows_kernel_max_rows();
+// Whether the rows kernels (linear_rows_kernel, the grouped one; 16-byte chunks) issue each thread's first
+// weight loads before the PDL wait, so that under programmatic dependent launch the weights start to stream
+// while the previous kernel finishes: K3_LINEAR_PRELOAD (1, the default, or 0; read once) or this (tests:
+// 0 or 1; any other value returns to the environment's). The same bits either way.
+void linear_rows_preload_force(int on);
 constexpr int64_t kLinearSkinnyMinRows = 2;
 constexpr int64_t kLinearSkinnyMaxRows = 64;
 // Whether Auto (the engine) takes the skinny kernel. Off: it passes its GPU tests (CudaLinearSkinny), but

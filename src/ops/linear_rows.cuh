@@ -27,12 +27,38 @@ __device__ __forceinline__ void load_ro(const bf16* p, float (&f)[VEC]) {
   }
 }
 
+// Chunks of each weight row a thread loads before the PDL wait (tile_sums with preload).
+constexpr int kLinPreload = 2;
+
+// acc[o][r] += the chunk's weights wv[o] times row r0 + r of x at chunk c, in the one order every path uses.
+template <int RT, int VEC>
+__device__ __forceinline__ void chunk_fma(const bf16* __restrict__ x, const float (&wv)[kLinOut][VEC], int64_t c,
+                                          int64_t r0, int nr, int64_t x_ld, float (&acc)[kLinOut][RT]) {
+#pragma unroll
+  for (int r = 0; r < RT; ++r) {
+    if (r < nr) {
+      float xv[VEC];
+      load_ro<VEC>(x + (r0 + r) * x_ld + c * VEC, xv);
+#pragma unroll
+      for (int o = 0; o < kLinOut; ++o) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[o][r] = fmaf(xv[i], wv[o][i], acc[o][r]);
+      }
+    }
+  }
+}
+
 // red[warp][o RT + r] = warp `warp`'s partial of sum_i x[r0 + r, i] wrow[o][i] (r < nr; x's rows x_ld apart),
 // then a barrier. in % VEC == 0.
+// preload (the kernel has not yet waited; VEC = 8): each thread issues the loads of its first kLinPreload
+// chunks of every weight row, then the PDL wait and trigger, then reads x. The weights are never written by
+// a step, so under programmatic dependent launch their first bytes stream in while the previous kernel
+// finishes. The chunks are summed in the same order either way: the same bits.
 template <int RT, int VEC>
 __device__ __forceinline__ void tile_sums(const bf16* __restrict__ x, const bf16* const (&wrow)[kLinOut], int64_t r0,
                                           int nr, int64_t in, int64_t x_ld,
-                                          float (&red)[kLinThreads / detail::kWarp][kLinOut * RT]) {
+                                          float (&red)[kLinThreads / detail::kWarp][kLinOut * RT],
+                                          bool preload = false) {
   float acc[kLinOut][RT];
 #pragma unroll
   for (int o = 0; o < kLinOut; ++o) {
@@ -41,23 +67,40 @@ __device__ __forceinline__ void tile_sums(const bf16* __restrict__ x, const bf16
   }
 
   const int64_t chunks = in / VEC;
+  int64_t c = threadIdx.x;
+  if constexpr (VEC == 8) {
+    if (preload) {
+      uint4 raw[kLinPreload][kLinOut];
+#pragma unroll
+      for (int k = 0; k < kLinPreload; ++k) {
+        const int64_t ck = c + int64_t{k} * kLinThreads;
+#pragma unroll
+        for (int o = 0; o < kLinOut; ++o)
+          raw[k][o] = ck < chunks ? __ldg(reinterpret_cast<const uint4*>(wrow[o] + ck * VEC)) : make_uint4(0, 0, 0, 0);
+      }
+      detail::pdl_wait();
+      detail::pdl_launch_dependents();
+#pragma unroll
+      for (int k = 0; k < kLinPreload; ++k) {
+        if (c < chunks) {
+          float wv[kLinOut][VEC];
+#pragma unroll
+          for (int o = 0; o < kLinOut; ++o) detail::unpack_bf16x8(raw[k][o], wv[o]);
+          chunk_fma<RT, VEC>(x, wv, c, r0, nr, x_ld, acc);
+        }
+        c += kLinThreads;
+      }
+    }
+  } else if (preload) {  // (the launchers never ask: element-wise chunks load nothing early)
+    detail::pdl_wait();
+    detail::pdl_launch_dependents();
+  }
 #pragma unroll 2
-  for (int64_t c = threadIdx.x; c < chunks; c += kLinThreads) {
+  for (; c < chunks; c += kLinThreads) {
     float wv[kLinOut][VEC];
 #pragma unroll
     for (int o = 0; o < kLinOut; ++o) load_ro<VEC>(wrow[o] + c * VEC, wv[o]);
-#pragma unroll
-    for (int r = 0; r < RT; ++r) {
-      if (r < nr) {
-        float xv[VEC];
-        load_ro<VEC>(x + (r0 + r) * x_ld + c * VEC, xv);
-#pragma unroll
-        for (int o = 0; o < kLinOut; ++o) {
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) acc[o][r] = fmaf(xv[i], wv[o][i], acc[o][r]);
-        }
-      }
-    }
+    chunk_fma<RT, VEC>(x, wv, c, r0, nr, x_ld, acc);
   }
 
   const int lane = threadIdx.x % detail::kWarp, warp = threadIdx.x / detail::kWarp;

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstdio>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "gpu_test_util.h"
@@ -493,6 +494,73 @@ TEST(CudaLinearGroup, MatchesSeparateCallsBitwiseOnOddShapes) {
   // The most projections a group takes, and a group of one.
   check_linear_group({{8, false}, {13, true}, {2, false}, {31, false}, {4, true}, {17, false}}, 72, rows, 3500);
   check_linear_group({{66, false}}, 72, rows, 3600);
+}
+
+// The rows kernels' weight preload (linear_rows_preload_force; K3_LINEAR_PRELOAD): each thread's first
+// weight chunks loaded before the PDL wait. Its input is the output of the kernel just before it on the
+// stream (no synchronization between: NaN-filled until that kernel writes it), so a read of x before the
+// wait would show; on and off give the same bits, and the result matches the CPU on the x the GPU made.
+// Shapes where threads own 0, 1, 2 and 7 chunks; one projection and a group.
+TEST(CudaLinear, WeightPreloadWaitsForItsInputAndKeepsTheBits) {
+  K3_REQUIRE_GPU();
+  using ops::cuda::LinearGroupPath;
+  using ops::cuda::LinearPath;
+  struct Case {
+    int64_t in, out;
+  };
+  const Case cases[] = {{8, 5}, {1000, 7}, {1032, 250}, {2048, 64}, {7168, 300}};
+  const int64_t in0 = 64;  // the first kernel: x [rows, in] = x0 [rows, 64] W0^T
+  uint64_t seed = 7100;
+  for (const auto& c : cases)
+    for (const int64_t rows : {1, 2, 3, 5, 8}) {
+      SCOPED_TRACE(testing::Message() << "in " << c.in << " out " << c.out << " rows " << rows);
+      const auto x0 = random_bf16_values(static_cast<size_t>(rows * in0), seed++);
+      const auto w0 = random_bf16_values(static_cast<size_t>(c.in * in0), seed++, 0.125);
+      const auto w1 = random_bf16_values(static_cast<size_t>(c.out * c.in), seed++, 1.0 / std::sqrt(double(c.in)));
+      const auto w2 = random_bf16_values(static_cast<size_t>(3 * c.in), seed++, 1.0 / std::sqrt(double(c.in)));
+      DeviceBuffer dx0 = upload_bf16(x0), dw0 = upload_bf16(w0), dw1 = upload_bf16(w1), dw2 = upload_bf16(w2);
+      const size_t nx = static_cast<size_t>(rows * c.in) * 2, ny = static_cast<size_t>(rows * c.out) * 2,
+                   na = static_cast<size_t>(rows * c.out) * 4, nb = static_cast<size_t>(rows * 3) * 2;
+      DeviceBuffer dx(nx), dy(ny), dya(na), dyb(nb);
+      // NaN bits in x and every output, then the producer of x and its consumer back to back.
+      auto nan_all = [&] {
+        for (auto [b, n] : {std::pair{&dx, nx}, {&dy, ny}, {&dya, na}, {&dyb, nb}})
+          ASSERT_EQ(cudaMemsetAsync(b->get(), 0xff, n, stream()), cudaSuccess);
+      };
+      auto make_x = [&] {
+        ASSERT_EQ(ops::cuda::linear_via(ctx(), LinearPath::Rows, dx0.get<bf16>(), dw0.get<bf16>(), dx.get(), false,
+                                        rows, in0, c.in),
+                  0);
+      };
+      std::vector<std::vector<uint8_t>> single, group_a, group_b;
+      std::vector<float> x_made;
+      for (const int preload : {0, 1}) {
+        ops::cuda::linear_rows_preload_force(preload);
+        nan_all();
+        make_x();
+        ASSERT_EQ(ops::cuda::linear_via(ctx(), LinearPath::Rows, dx.get<bf16>(), dw1.get<bf16>(), dy.get(), false,
+                                        rows, c.in, c.out),
+                  0);
+        single.push_back(download<uint8_t>(dy, ny));
+        nan_all();
+        make_x();
+        std::vector<ops::cuda::LinearOut> outs = {{dw1.get<bf16>(), dya.get(), c.out, true},
+                                                  {dw2.get<bf16>(), dyb.get(), 3, false}};
+        ASSERT_EQ(ops::cuda::linear_group_via(ctx(), LinearGroupPath::Grouped, dx.get<bf16>(), rows, c.in,
+                                              outs.data(), 2),
+                  0);
+        group_a.push_back(download<uint8_t>(dya, na));
+        group_b.push_back(download<uint8_t>(dyb, nb));
+        x_made = down_bf16(dx, static_cast<size_t>(rows * c.in));
+      }
+      ops::cuda::linear_rows_preload_force(-1);
+      EXPECT_TRUE(single[0] == single[1]) << "one projection: preload changed the bits";
+      EXPECT_TRUE(group_a[0] == group_a[1] && group_b[0] == group_b[1]) << "group: preload changed the bits";
+      for (float v : x_made) ASSERT_TRUE(std::isfinite(v)) << "the first kernel left x unwritten";
+      expect_linear_cpu(single[1], x_made, w1, rows, c.in, c.out, false, "preload, one projection");
+      expect_linear_cpu(group_a[1], x_made, w1, rows, c.in, c.out, true, "preload, group member 0");
+      expect_linear_cpu(group_b[1], x_made, w2, rows, c.in, 3, false, "preload, group member 1");
+    }
 }
 
 TEST(CudaLinearGroup, MatchesSeparateCallsBitwiseOnK3PerRankShapes) {
