@@ -67,18 +67,20 @@ def from_json(path, commit):
 def from_log(path, commit):
     if not commit:
         sys.exit("perf-history: --log needs --commit (the printed table names none)")
-    variant, hbm, copies, out = None, None, 0, []
+    variant, hbm, copies, tp, out = None, None, 0, False, []
     with open(path) as f:
         for line in f:
             if m := HBM.search(line):
                 hbm = float(m.group(1))
             elif m := SLICE.search(line):
                 variant = m.group(1)
-            elif WEIGHTS.match(line):  # each rank built says whether its layers share weight copies
+            elif WEIGHTS.match(line):  # each rank built: its shared experts' mode and any weight copies
                 m = COPIES.match(line)
                 copies = int(m.group(1)) if m else 0
+                tp = "(TP-sharded shared experts" in line
             elif (m := ROW.match(line)) and variant:
                 step, b, q, _rows, _ctx, med, _mn, _mx, _mb, floor, _ratio = m.groups()
+                step += "-tp" if step == "hybrid" and tp else ""
                 step += f"-copies{copies}" if copies else ""
                 out.append(row(commit, variant, step, int(b), int(q), float(med), float(floor), hbm))
     if variant is None:
