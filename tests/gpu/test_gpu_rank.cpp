@@ -20,6 +20,17 @@ struct Pair {
   std::unique_ptr<GpuRank> gpu;
 };
 
+// A rank's sizes: `slots` requests (all in one batch), up to max_q tokens each, pages of 16 tokens.
+GpuRankOptions rank_options(int slots, int max_q, int64_t max_context) {
+  GpuRankOptions go;
+  go.max_slots = slots;
+  go.max_batch = slots;
+  go.max_q = max_q;
+  go.max_context = max_context;
+  go.page_size = 16;
+  return go;
+}
+
 Pair make(const std::string& variant) {
   Pair p;
   p.config = preset_config("tiny", variant);
@@ -30,14 +41,8 @@ Pair make(const std::string& variant) {
   co.max_context = 256;
   p.cpu = std::make_unique<Engine>(p.src, p.config, EngineOptions(co));
   p.host = load_weights(p.config, *p.src);
-  GpuRankOptions go;
-  go.max_slots = 4;
-  go.max_batch = 4;
-  go.max_q = 8;
-  go.max_context = 256;
-  go.page_size = 16;
-  p.gpu = std::make_unique<GpuRank>(p.config, build_gpu_weights(p.config, {}, &p.host, upload_fill()), go,
-                                    gputest::ctx());
+  p.gpu = std::make_unique<GpuRank>(p.config, build_gpu_weights(p.config, {}, &p.host, upload_fill()),
+                                    rank_options(4, 8, 256), gputest::ctx());
   return p;
 }
 
@@ -144,12 +149,7 @@ TEST_P(GpuRankVsCpu, LayerWeightCopiesStepAsTheirSourceLayers) {
   int copied = 0;
   for (size_t l = 0; l < from.size(); ++l) copied += from[l] != static_cast<int>(l);
   ASSERT_GT(copied, 0) << "the tiny preset has one layer of each kind: nothing to share";
-  GpuRankOptions go;
-  go.max_slots = 2;
-  go.max_batch = 2;
-  go.max_q = 4;
-  go.max_context = 64;
-  go.page_size = 16;
+  const GpuRankOptions go = rank_options(2, 4, 64);
   GpuWeights shared = build_gpu_weights(config, {}, &host, upload_fill(), 1);
   for (size_t l = 0; l < from.size(); ++l) {
     const LayerWeights &a = shared.w.layers[l], &b = shared.w.layers[static_cast<size_t>(from[l])];
