@@ -137,13 +137,24 @@ def doubling(first, total):
     return out
 
 
-def step_copies(mode, m, d, kda_gate_copies=True):
-    """Every device copy of one rank-slice step: (loopback?, bytes) per copy (runtime/gpu_*.cpp).
-    kda_gate_copies: the tree copied the KDA gate columns (before kda_prep read them in place)."""
+def step_copies(mode, m, d, kda_gate_copies=True, tree="current"):
+    """Every device copy of one rank-slice step: (loopback?, bytes) per copy (runtime/gpu/*.cpp).
+    kda_gate_copies: the tree copied the KDA gate columns (before kda_prep read them in place).
+    tree "current" (from 453b43b and 519183b on): hybrid-tp dispatches the m rows' L / G latent slices,
+    doubled up to the c k latent rows the rank receives, and no mode copies a combine (the latent norm
+    reads the received rows); "272c18a": every mode dispatches c latent rows doubled to c k, and copies
+    c latent rows back as the combine."""
     D, L, k = d["D"], d["L"], d["k"]
     c = (m + G - 1) // G
     row, lat = D * 2, L * 2
     cp = []
+
+    def dispatch():  # GpuCollectives::ep_loopback_dispatch: the first min(in, out) elements, then doubling
+        sent = m * (L // G) if tree == "current" and mode == "hybrid-tp" else c * L
+        out = c * k * L
+        first = min(sent, out)
+        cp.append((True, 2 * first))
+        cp.extend((True, 2 * n) for n in doubling(first, out))
 
     def gather():  # tp_all_gather_rows, loopback: the shard, then doubling copies
         first = min(m, c)
@@ -160,10 +171,10 @@ def step_copies(mode, m, d, kda_gate_copies=True):
             cp.extend([(True, c * row)] * (G - 1))  # and G - 1 copies of the shard's bytes
         else:
             all_reduce()
-    for _ in range(d["n_moe"]):  # the EP loopback: dispatch (own rows, doubled to rows k), combine
-        cp.append((True, c * lat))
-        cp.extend((True, n * lat) for n in doubling(c, c * k))
-        cp.append((True, c * lat))
+    for _ in range(d["n_moe"]):  # the EP loopback: the dispatch (and in 272c18a's tree a combine copy)
+        dispatch()
+        if tree != "current":
+            cp.append((True, c * lat))
         if mode == "hybrid":
             gather()
     if mode == "hybrid-tp":
@@ -199,9 +210,14 @@ def loopback_us(r, mode, d):
     busy = as_kernels if r["copies_per_step"] == 0 else r["trace_busy_us"] - kern
     gaps = sum(g["us"] for g in r["trace_gaps_before"] if g["before"] in COPY_OPS)
     traced = max(0.0, busy) + gaps
-    cp = step_copies(mode, r["rows"], d)
-    if r["copies_per_step"] and abs(len(cp) - r["copies_per_step"]) > 2:
-        cp = step_copies(mode, r["rows"], d, kda_gate_copies=False)  # a tree with kda_prep
+    # The tree's copies: a record that names its layer copies (bench from ca9a890 on) is the current
+    # tree's; older ones are 272c18a's, before kda_prep or (by the count) with it.
+    if "layer_copies" in r:
+        cp = step_copies(mode, r["rows"], d, kda_gate_copies=False, tree="current")
+    else:
+        cp = step_copies(mode, r["rows"], d, tree="272c18a")
+        if r["copies_per_step"] and abs(len(cp) - r["copies_per_step"]) > 2:
+            cp = step_copies(mode, r["rows"], d, kda_gate_copies=False, tree="272c18a")  # a tree with kda_prep
     bw = r["hbm_gbps"] * 1e3  # bytes per us
     moved = sum(2 * b / bw for _, b in cp)
     a = max(0.0, (traced - moved) / len(cp))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/project-multi-gpu.py on the committed rank-slice JSON: a projected row per (variant, B, q, step
-# mode), every projection >= its kernel part (collectives only add), a verdict per point, and a record
-# without the trace it needs is an error naming the key.
+# mode), every projection >= its kernel part (collectives only add), a verdict per point, the copies it
+# counts from the code equal to the trace's on the H200 (272c18a's tree) and H100 (the current tree) tables,
+# and a record without the trace it needs is an error naming the key.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tmp=$(mktemp -d)
@@ -31,6 +32,18 @@ assert len(pts) == 16, f"{len(pts)} points"
 for v in p["points"]:
     assert v["winner_nccl"] in ("stock", "hybrid", "hybrid-tp") and "auto_ok_nccl" in v
 PY
+# The H100 table (a tree after 453b43b and 519183b: the sliced dispatch, no combine copy): every record's
+# copies counted from the code match the trace's.
+python3 "$root/scripts/project-multi-gpu.py" --json "$tmp/h.json" "$root/docs/perf/rank_slice_h100.json" \
+  >/dev/null 2>"$tmp/h_err.txt"
+python3 - "$tmp/h.json" <<'PY'
+import json, sys
+p = json.load(open(sys.argv[1]))
+assert len(p["rows"]) == 48, f"{len(p['rows'])} rows"
+for x in p["rows"]:
+    assert x["copies_json"] and abs(x["copies"] - x["copies_json"]) <= 2, f"{x}: copies {x['copies']} vs {x['copies_json']}"
+PY
+! grep -q "warning" "$tmp/h_err.txt" || { echo "FAIL: $(cat "$tmp/h_err.txt")"; exit 1; }
 rows=$(grep -cE "^\| [0-9]+ \| [0-9] \| [0-9]+ \| (stock|hybrid|hybrid-tp) \| [0-9.]+ \| [0-9.]+ \|" "$tmp/out.md")
 [ "$rows" -eq 48 ] || { echo "FAIL: $rows table rows, expected 48"; exit 1; }
 python3 -c "import json,sys; d=json.load(open(sys.argv[1])); del d[3]['trace_busy_us']; json.dump(d, open(sys.argv[2],'w'))" \
