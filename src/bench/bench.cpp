@@ -179,7 +179,6 @@ int run_bench(const BenchArgs& args) {
   GpuRankOptions go;
   std::shared_ptr<const TensorSource> src;
   bool slice = args.preset == "k3-rank-slice" && args.model_dir.empty();
-
   if (slice) {
     c = preset_config("full", args.variant);
     shard = ShardSpec{args.tp, args.rank % args.tp, args.tp * args.dp, args.rank};
