@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -605,4 +606,27 @@ TEST(EnvInt, TakesInRangeIntegersAndWarnsOnAnythingElse) {
     EXPECT_NE(err.find("in steps of 4 from 4"), std::string::npos) << bad << ": " << err;
   }
   ::unsetenv(name);
+}
+
+// env_knob: a value a test set wins; else the environment's, read once and kept (a later change of the
+// variable is not seen) until the slot is set back to -1; a bad value gives the fallback.
+TEST(EnvInt, KnobTakesTheForcedValueElseTheEnvironmentsReadOnce) {
+  const char* name = "K3_TEST_ENV_KNOB";
+  std::atomic<int> slot{-1};
+  ::setenv(name, "2", 1);
+  EXPECT_EQ(k3::env_knob(slot, name, 0, 3, 1), 2);
+  ::setenv(name, "3", 1);
+  EXPECT_EQ(k3::env_knob(slot, name, 0, 3, 1), 2) << "read once";
+  slot.store(0);
+  EXPECT_EQ(k3::env_knob(slot, name, 0, 3, 1), 0) << "forced";
+  slot.store(-1);
+  EXPECT_EQ(k3::env_knob(slot, name, 0, 3, 1), 3) << "back to the environment";
+  slot.store(-1);
+  ::setenv(name, "7", 1);
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(k3::env_knob(slot, name, 0, 3, 1), 1) << "out of range: the fallback";
+  EXPECT_NE(testing::internal::GetCapturedStderr().find(name), std::string::npos);
+  slot.store(-1);
+  ::unsetenv(name);
+  EXPECT_EQ(k3::env_knob(slot, name, 0, 3, 1), 1) << "unset: the fallback";
 }

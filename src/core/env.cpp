@@ -22,4 +22,14 @@ int64_t env_int(const char* name, int64_t lo, int64_t hi, int64_t fallback, int6
   return fallback;
 }
 
+int env_knob(std::atomic<int>& slot, const char* name, int lo, int hi, int fallback) {
+  int v = slot.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const int want = static_cast<int>(env_int(name, lo, hi, fallback));
+    slot.compare_exchange_strong(v, want, std::memory_order_relaxed);
+    v = slot.load(std::memory_order_relaxed);
+  }
+  return v;
+}
+
 }  // namespace k3

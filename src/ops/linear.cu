@@ -150,14 +150,7 @@ __global__ void __launch_bounds__(kLinThreads)
 // K3_LINEAR_PRELOAD / linear_rows_preload_force: whether the rows kernels issue their first weight loads
 // before the PDL wait (rows_detail::tile_sums; 16-byte chunks only).
 std::atomic<int> g_preload{-1};
-bool rows_preload(int vec) {
-  int v = g_preload.load(std::memory_order_relaxed);
-  if (v < 0) {
-    static const int env = static_cast<int>(env_int("K3_LINEAR_PRELOAD", 0, 1, 1));
-    v = env;
-  }
-  return vec == 8 && v == 1;
-}
+bool rows_preload(int vec) { return vec == 8 && env_knob(g_preload, "K3_LINEAR_PRELOAD", 0, 1, 1) == 1; }
 
 template <int RT, int VEC>
 int launch_rows(const bf16* x, int64_t x_ld, const bf16* w, void* y, bool y_f32, bool add, int64_t rows, int64_t in,

@@ -188,9 +188,7 @@ bool linear_rows_tc_takes(int64_t rows, const bf16* x, int64_t x_ld, int64_t in,
 void linear_glu_tc_force(int on) { g_glu_tc.store(on < 0 ? -1 : on > 0 ? 1 : 0, std::memory_order_relaxed); }
 
 bool linear_glu_tc_takes(int64_t rows) {
-  static const bool env_on = env_int("K3_LINEAR_GLU_TC", 0, 1, 1) == 1;
-  const int forced = g_glu_tc.load(std::memory_order_relaxed);
-  return (forced < 0 ? env_on : forced == 1) && tc_rows(rows);
+  return env_knob(g_glu_tc, "K3_LINEAR_GLU_TC", 0, 1, 1) == 1 && tc_rows(rows);
 }
 
 bool linear_rows_tc_fits(const bf16* x, int64_t x_ld, int64_t in, const LinearOut* outs, int n) {

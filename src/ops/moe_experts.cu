@@ -566,21 +566,9 @@ int ctas_per_sm(int threads, size_t dyn_smem) {
   return cached[dev];
 }
 
-// A knob's value: the one a test set (>= 0), else the environment's, read at the first call (env_int).
-// -1 in the slot means not decided yet.
-int knob(std::atomic<int>& slot, const char* name, int hi) {
-  int v = slot.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const int want = static_cast<int>(env_int(name, 0, hi, 0));
-    slot.compare_exchange_strong(v, want, std::memory_order_relaxed);
-    v = slot.load(std::memory_order_relaxed);
-  }
-  return v;
-}
-
 // K3_MOE_TEAM / moe_experts_force_team: 0 (by the wave), 1 (teams of 4) or 2 (of 8).
 std::atomic<int> g_team{-1};
-int team_choice() { return knob(g_team, "K3_MOE_TEAM", 2); }
+int team_choice() { return env_knob(g_team, "K3_MOE_TEAM", 0, 2, 0); }
 
 template <bool UP>
 int launch_splitk(const bf16* x, const Plan& plan, const Mxfp4ExpertTable& ex, bf16* out, int k, int64_t K, int64_t N,
@@ -681,7 +669,7 @@ unsigned grid_for(int64_t threads_needed, int threads_per_block, int cap_blocks)
 
 // K3_MOE_WG / moe_experts_force_wg: 0 or 1.
 std::atomic<int> g_force_wg{-1};
-bool use_wg() { return knob(g_force_wg, "K3_MOE_WG", 1) == 1; }
+bool use_wg() { return env_knob(g_force_wg, "K3_MOE_WG", 0, 1, 0) == 1; }
 
 }  // namespace
 
