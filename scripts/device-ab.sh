@@ -8,13 +8,21 @@
 # usage: scripts/device-ab.sh VAR "V1 V2 ..." [bench args]   e.g.
 #   K3_BIN=out/bin K3_AB_OPS=linear scripts/device-ab.sh K3_LINEAR_ROWS_MAX "1 4 8" --batches 1 8 --q 1 4
 # bench args default to `--batches 1 8 64 --q 1 4`; K3_AB_STEPS (default "stock hybrid") the step modes,
-# K3_AB_VARIANT (default k3) the model. Every step runs under `timeout` (scripts/device-lib.sh), so the
+# K3_AB_VARIANTS (default k3) the models, each in its own processes. Every step runs under `timeout`
+# (scripts/device-lib.sh), so the
 # script ends by K3_DEADLINE_S; a bench cut by its timeout keeps the points it wrote. Logs and JSON go to
 # $OUT (default out/ab), then into $OUT/all.tgz; summary.txt and steps.txt stay beside it.
 #
 # VAR = BIN: an A/B of builds instead of a knob. The values are folders of carried binaries (each with its
 # k3decode), run in turn with the environment as it is and labelled by their folder names (which must differ):
 #   scripts/device-ab.sh BIN "out/bin-old out/bin-new" --batches 1 8 --q 1 4
+#
+# The issue's speedups: a baseline build (483d708's k3decode, carried) against this one, both variants,
+# its hybrid step (the seed's) against this one's (TP-sharded shared experts) and stock against stock, then
+# the table from the JSON in the archive's logs/ (labels: the folders' names):
+#   K3_AB_VARIANTS="k3 k3.1" K3_AB_STEPS="hybrid stock" K3_DEADLINE_S=560 \
+#     scripts/device-ab.sh BIN "out/bin-483d708 out/bin" --batches 1 8 32 64 --q 1 4
+#   scripts/speedup.py --base logs/ab_*_bin-483d708_r*.json --new logs/ab_*_bin_r*.json
 #
 # VAR = --flag: an A/B of a bench flag, given to the step bench as "--flag V" (after the bench args; there
 # is no ops section for a flag), e.g. the rank slice with and without layer weight copies:
@@ -56,7 +64,7 @@ k3() {
   fi
 }
 read -ra modes <<<"${K3_AB_STEPS:-stock hybrid}"
-variant=${K3_AB_VARIANT:-k3}
+read -ra variants <<<"${K3_AB_VARIANTS:-k3}"
 
 {
   echo "commit $commit, $var in ${values[*]}, ${args[*]}"
@@ -80,10 +88,12 @@ for rep in $(seq 1 "${K3_AB_REPS:-1}"); do
   for i in "${!values[@]}"; do
     v=${labels[$i]}
     k3 "$i"
-    for m in "${modes[@]}"; do
-      step "bench_${m}_${v}_r$rep" 150 "${k3cmd[@]}" bench --preset k3-rank-slice \
-        --variant "$variant" --tp 8 --dp 4 --rank 0 --context 8192 "${args[@]}" "${k3flag[@]}" --iters 50 --steps "$m" \
-        --commit "$commit" --json "$logs/ab_${m}_${v}_r$rep.json"
+    for variant in "${variants[@]}"; do
+      for m in "${modes[@]}"; do
+        step "bench_${variant}_${m}_${v}_r$rep" 150 "${k3cmd[@]}" bench --preset k3-rank-slice \
+          --variant "$variant" --tp 8 --dp 4 --rank 0 --context 8192 "${args[@]}" "${k3flag[@]}" --iters 50 \
+          --steps "$m" --commit "$commit" --json "$logs/ab_${variant}_${m}_${v}_r$rep.json"
+      done
     done
   done
 done
@@ -111,15 +121,17 @@ pts = {}
 for p in glob.glob(os.path.join(d, "ab_*_r*.json")):
     v = re.match(r"ab_.+_(.+)_r\d+\.json", os.path.basename(p)).group(1)
     for x in load(p) or []:
-        key = (x["step"], x["shared_experts"], x["requests"], x["q"])
+        # (A build from before the TP-sharded shared experts writes no "shared_experts": its hybrid is the seed's.)
+        key = (x.get("variant", "-"), x["step"], x.get("shared_experts", "-"), x["requests"], x["q"])
         pts.setdefault(key, {}).setdefault(v, []).append(x["median_us"])
-print(f"{'step':>7} {'shared':>10} {'B':>3} {'q':>2} " + " ".join(f"{v:>9}" for v in values)
+print(f"{'variant':>7} {'step':>7} {'shared':>10} {'B':>3} {'q':>2} " + " ".join(f"{v:>9}" for v in values)
       + " " + " ".join(f"{v + ' vs':>9}" for v in values[1:]))
 for key in sorted(pts):
     m = {v: statistics.median(pts[key][v]) if pts[key].get(v) else None for v in values}
     base = m[values[0]]
     deltas = " ".join(f"{100 * (m[v] / base - 1):+8.1f}%" if base and m[v] else f"{'-':>9}" for v in values[1:])
-    print(f"{key[0]:>7} {key[1]:>10} {key[2]:>3} {key[3]:>2} " + " ".join(cell(m[v]) for v in values) + " " + deltas)
+    print(f"{key[0]:>7} {key[1]:>7} {key[2]:>10} {key[3]:>3} {key[4]:>2} " + " ".join(cell(m[v]) for v in values)
+          + " " + deltas)
 
 ops = {v: load(os.path.join(d, f"ops_{v}.json")) for v in values}
 if any(ops.values()):

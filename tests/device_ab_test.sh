@@ -9,23 +9,27 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL: $*"; cat "$tmp/log" 2>/dev/null; exit 1; }
-# stub DIR BASE: a k3decode whose step points take BASE us (+ K3_X when set, + its --x flag) and whose ops take BASE / 10,
-# each call logged to $tmp/calls.txt as "DIR steps-or-ops".
+# stub DIR BASE [old]: a k3decode whose step points take BASE us (+ K3_X when set, + its --x flag, + 10 for
+# --variant k3.1) and whose ops take BASE / 10, each call logged to $tmp/calls.txt as "DIR steps-or-ops";
+# "old": its points have no "shared_experts", as a build from before that mode (483d708) writes them.
 stub() {
   mkdir -p "$1"
+  local shared='\"shared_experts\": \"tp\", '
+  [ "${3:-}" = old ] && shared=""
   cat >"$1/k3decode" <<STUB
 #!/usr/bin/env bash
-st=ops json="" x=0
+st=ops json="" x=0 variant=k3
 while [ \$# -gt 0 ]; do
-  case "\$1" in --steps) st=\$2; shift ;; --json) json=\$2; shift ;; --x) x=\$2; shift ;; esac
+  case "\$1" in --steps) st=\$2; shift ;; --json) json=\$2; shift ;; --x) x=\$2; shift ;; --variant) variant=\$2; shift ;; esac
   shift
 done
 t=\$(( $2 + \${K3_X:-0} + x ))
+[ "\$variant" = k3.1 ] && t=\$(( t + 10 ))
 echo "$(basename "$1") \$st" >>"$tmp/calls.txt"
 if [ "\$st" = ops ]; then
   echo "[{\"op\": \"moe_experts\", \"shape\": \"2 x 1\", \"us\": \$(( t / 10 ))}]" >"\$json"
 else
-  echo "[{\"step\": \"\$st\", \"shared_experts\": \"tp\", \"requests\": 1, \"q\": 1, \"median_us\": \$t}]" >"\$json"
+  echo "[{\"variant\": \"\$variant\", \"step\": \"\$st\", $shared\"requests\": 1, \"q\": 1, \"median_us\": \$t}]" >"\$json"
 fi
 STUB
   chmod +x "$1/k3decode"
@@ -55,7 +59,19 @@ K3_BIN="$tmp/old" K3_AB_STEPS=hybrid K3_AB_OPS=moe OUT="$tmp/out" K3_COMMIT=test
 printf 'old hybrid\nold hybrid\n' | diff - "$tmp/calls.txt" >/dev/null || fail "flag calls: $(cat "$tmp/calls.txt")"
 grep -Eq "hybrid +tp +1 +1 +1000.0 +1050.0 +\+5.0%" "$tmp/out/summary.txt" || fail "flag summary: $(cat "$tmp/out/summary.txt")"
 
-# 4. Refused before anything runs: a folder without k3decode, two folders of one name.
+# 4. Two variants, each in its own processes and summary rows; a build whose points have no "shared_experts"
+# (the issue's baseline, 483d708) is summarized with "-" there.
+rm -rf "$tmp/calls.txt" "$tmp/out"
+stub "$tmp/base" 1200 old
+K3_AB_VARIANTS="k3 k3.1" K3_AB_STEPS=hybrid OUT="$tmp/out" K3_COMMIT=test \
+  "$root/scripts/device-ab.sh" BIN "$tmp/base $tmp/new" --batches 1 --q 1 >"$tmp/log" 2>&1 || fail "variants run failed"
+printf 'base hybrid\nbase hybrid\nnew hybrid\nnew hybrid\n' | diff - "$tmp/calls.txt" >/dev/null ||
+  fail "variants calls: $(cat "$tmp/calls.txt")"
+grep -Eq "k3 +hybrid +- +1 +1 +1200.0 +- +-" "$tmp/out/summary.txt" || fail "old build's row: $(cat "$tmp/out/summary.txt")"
+grep -Eq "k3.1 +hybrid +tp +1 +1 +- +910.0 +-" "$tmp/out/summary.txt" || fail "k3.1 row: $(cat "$tmp/out/summary.txt")"
+[ "$(tar tzf "$tmp/out/all.tgz" | grep -c 'ab_k3\(\.1\)\?_hybrid_.*_r1.json')" -eq 4 ] || fail "variants' JSON: $(tar tzf "$tmp/out/all.tgz")"
+
+# 5. Refused before anything runs: a folder without k3decode, two folders of one name.
 rm -f "$tmp/calls.txt"
 mkdir -p "$tmp/empty" "$tmp/a/new"
 stub "$tmp/a/new" 800
