@@ -121,7 +121,9 @@ expect_error "a truncated model.safetensors (one byte short)" "$BIN" generate --
 truncate -s 5 "$TMP/truncated/model.safetensors"
 expect_error "a truncated model.safetensors (5 bytes)" "$BIN" generate --model "$TMP/truncated" --max-new 2
 expect_error "unknown preset" "$BIN" generate --preset huge --max-new 2
+grep -q -- '--preset: unknown preset "huge"' "$TMP/err.txt" || fail "unknown preset: the message names neither the flag nor the value"
 expect_error "unknown variant" "$BIN" generate --variant k4 --max-new 2
+grep -q -- '--variant: unknown variant "k4"' "$TMP/err.txt" || fail "unknown variant: the message names neither the flag nor the value"
 expect_error "make-model with an unknown preset" "$BIN" make-model --preset huge --out "$TMP/huge"
 
 # ---- the tokenizer: make-model --tokenizer writes one beside the checkpoint; generate --text uses it

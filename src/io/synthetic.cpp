@@ -13,7 +13,7 @@
 namespace k3 {
 
 ModelConfig preset_config(const std::string& preset, const std::string& variant) {
-  K3_CHECK(variant == "k3" || variant == "k3.1", "make-model: unknown variant \"{}\" (k3 | k3.1)", variant);
+  K3_CHECK(variant == "k3" || variant == "k3.1", "--variant: unknown variant \"{}\" (k3 | k3.1)", variant);
   ModelConfig c;
   std::vector<int> full;  // 1-based full-attention layers
   if (preset == "tiny") {
@@ -63,7 +63,7 @@ ModelConfig preset_config(const std::string& preset, const std::string& variant)
     full.push_back(93);
     if (variant == "k3.1") c.dsa = DsaConfig{32, 128, 2048};
   } else {
-    fail("make-model: unknown preset \"{}\" (tiny | small | full)", preset);
+    fail("--preset: unknown preset \"{}\" (tiny | small | full)", preset);
   }
   c.eos_token_id = preset == "full" ? 163586 : c.vocab_size - 2;
   c.rms_norm_eps = 1e-5f;
