@@ -258,8 +258,12 @@ Request parse_common(const Server& s, const json& body, bool chat) {
     if (!v->is_number_integer()) bad(fmt::format("{} must be an integer", mt), mt);
     const int64_t x = v->get<int64_t>();
     if (x < 1) bad(fmt::format("{} must be >= 1 (got {})", mt, x), mt);
-    r.max_tokens = static_cast<int>(std::min<int64_t>(x, s.dec.max_context()));
-    if (x > s.dec.max_context()) r.max_tokens = static_cast<int>(s.dec.max_context()) + 1;  // refused below
+    // (The scheduler refuses a prompt + max_tokens past the context; one past it alone is refused here, where
+    // its value is still the one the client sent.)
+    if (x > s.dec.max_context())
+      bad(fmt::format("{} {} exceeds the context of {} tokens", mt, x, s.dec.max_context()), mt,
+          "context_length_exceeded");
+    r.max_tokens = static_cast<int>(x);
   } else {
     r.max_tokens = 16;
   }

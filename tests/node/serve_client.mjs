@@ -296,6 +296,13 @@ for (const [param, body] of [['frequency_penalty', '{"prompt": [1, 2], "frequenc
   const r = await fetch(`${tinyUrl}/v1/completions`, { method: 'POST', headers: { 'content-type': 'application/json' }, body });
   assert.equal(r.status, 200, await r.text());
 }
+{  // max_tokens past the context: the value sent, and the code clients look for
+  const { status, j } = await raw(smallUrl, '/v1/completions', '{"prompt": "abc", "max_tokens": 100000}');
+  assert.equal(status, 400);
+  assert.equal(j.error.code, 'context_length_exceeded');
+  assert.equal(j.error.param, 'max_tokens');
+  assert.match(j.error.message, /max_tokens 100000 exceeds the context of \d+ tokens/);
+}
 ok(`${bads.length + 2} bad requests answered 4xx with an OpenAI error; the servers go on; unimplemented parameters refused, their neutral values accepted`);
 
 // --- fuzzed requests: valid ones with 1-3 fields replaced by values of every JSON type (seeded), and raw
