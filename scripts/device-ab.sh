@@ -51,11 +51,14 @@ name=ab
 source scripts/device-lib.sh
 [ -n "${K3_BIN:-}" ] && bin=$K3_BIN && export LD_LIBRARY_PATH="$bin:$LD_LIBRARY_PATH"
 # k3 I: the k3decode command of value I in k3cmd: the knob set in its environment, or (BIN) value I's binary;
-# k3flag: what the step bench of value I takes after its args (a flag VAR and its value, else nothing).
+# k3flag: what the step bench of value I takes after its args (a flag VAR and its value, else nothing);
+# k3commit: the build its JSON names (BIN: the folder's name, e.g. bin-483d708; else $commit).
 k3() {
   k3flag=()
+  k3commit=$commit
   if [ "$var" = BIN ]; then
     k3cmd=("${values[$1]}/k3decode")
+    k3commit=${labels[$1]}
   elif [[ "$var" == --* ]]; then
     k3cmd=("$bin/k3decode")
     k3flag=("$var" "${values[$1]}")
@@ -80,7 +83,7 @@ elif [ -n "${K3_AB_OPS:-}" ]; then
   for i in "${!values[@]}"; do
     v=${labels[$i]}
     k3 "$i"
-    step "ops_$v" 90 "${k3cmd[@]}" bench --ops --ops-only "$K3_AB_OPS" --commit "$commit" \
+    step "ops_$v" 90 "${k3cmd[@]}" bench --ops --ops-only "$K3_AB_OPS" --commit "$k3commit" \
       --json "$logs/ops_$v.json"
   done
 fi
@@ -92,7 +95,7 @@ for rep in $(seq 1 "${K3_AB_REPS:-1}"); do
       for m in "${modes[@]}"; do
         step "bench_${variant}_${m}_${v}_r$rep" 150 "${k3cmd[@]}" bench --preset k3-rank-slice \
           --variant "$variant" --tp 8 --dp 4 --rank 0 --context 8192 "${args[@]}" "${k3flag[@]}" --iters 50 \
-          --steps "$m" --commit "$commit" --json "$logs/ab_${variant}_${m}_${v}_r$rep.json"
+          --steps "$m" --commit "$k3commit" --json "$logs/ab_${variant}_${m}_${v}_r$rep.json"
       done
     done
   done

@@ -18,9 +18,10 @@ stub() {
   [ "${3:-}" = old ] && shared=""
   cat >"$1/k3decode" <<STUB
 #!/usr/bin/env bash
-st=ops json="" x=0 variant=k3
+st=ops json="" x=0 variant=k3 commit=none
 while [ \$# -gt 0 ]; do
-  case "\$1" in --steps) st=\$2; shift ;; --json) json=\$2; shift ;; --x) x=\$2; shift ;; --variant) variant=\$2; shift ;; esac
+  case "\$1" in --steps) st=\$2; shift ;; --json) json=\$2; shift ;; --x) x=\$2; shift ;; --variant) variant=\$2; shift ;;
+    --commit) commit=\$2; shift ;; esac
   shift
 done
 t=\$(( $2 + \${K3_X:-0} + x ))
@@ -29,7 +30,7 @@ echo "$(basename "$1") \$st" >>"$tmp/calls.txt"
 if [ "\$st" = ops ]; then
   echo "[{\"op\": \"moe_experts\", \"shape\": \"2 x 1\", \"us\": \$(( t / 10 ))}]" >"\$json"
 else
-  echo "[{\"variant\": \"\$variant\", \"step\": \"\$st\", $shared\"requests\": 1, \"q\": 1, \"median_us\": \$t}]" >"\$json"
+  echo "[{\"commit\": \"\$commit\", \"variant\": \"\$variant\", \"step\": \"\$st\", $shared\"requests\": 1, \"q\": 1, \"median_us\": \$t}]" >"\$json"
 fi
 STUB
   chmod +x "$1/k3decode"
@@ -70,6 +71,12 @@ printf 'base hybrid\nbase hybrid\nnew hybrid\nnew hybrid\n' | diff - "$tmp/calls
 grep -Eq "k3 +hybrid +- +1 +1 +1200.0 +- +-" "$tmp/out/summary.txt" || fail "old build's row: $(cat "$tmp/out/summary.txt")"
 grep -Eq "k3.1 +hybrid +tp +1 +1 +- +910.0 +-" "$tmp/out/summary.txt" || fail "k3.1 row: $(cat "$tmp/out/summary.txt")"
 [ "$(tar tzf "$tmp/out/all.tgz" | grep -c 'ab_k3\(\.1\)\?_hybrid_.*_r1.json')" -eq 4 ] || fail "variants' JSON: $(tar tzf "$tmp/out/all.tgz")"
+# Each build's JSON names it by its folder, and scripts/speedup.py pairs them (base 1200 / new 900 at K3).
+tar xzf "$tmp/out/all.tgz" -C "$tmp/out"
+grep -q '"commit": "base"' "$tmp/out/logs/ab_k3_hybrid_base_r1.json" || fail "base commit: $(cat "$tmp/out/logs/ab_k3_hybrid_base_r1.json")"
+"$root/scripts/speedup.py" --hybrid-new tp --hybrid-base replicated --base "$tmp"/out/logs/ab_*_base_r1.json \
+  --new "$tmp"/out/logs/ab_*_new_r1.json >"$tmp/log" 2>&1 || fail "speedup over the A/B's JSON"
+grep -Fq "| K3 | 1 | 1 | 0.90 | 1.20 | **1.33** | - | - | - |" "$tmp/log" || fail "speedup row: $(cat "$tmp/log")"
 
 # 5. Refused before anything runs: a folder without k3decode, two folders of one name.
 rm -f "$tmp/calls.txt"
