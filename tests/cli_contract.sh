@@ -125,6 +125,15 @@ grep -q -- '--preset: unknown preset "huge"' "$TMP/err.txt" || fail "unknown pre
 expect_error "unknown variant" "$BIN" generate --variant k4 --max-new 2
 grep -q -- '--variant: unknown variant "k4"' "$TMP/err.txt" || fail "unknown variant: the message names neither the flag nor the value"
 expect_error "make-model with an unknown preset" "$BIN" make-model --preset huge --out "$TMP/huge"
+# bench (CUDA builds): its arguments are refused before the GPU is touched, also where there is none.
+if "$BIN" bench --help >/dev/null 2>&1; then
+  expect_error "bench with a misspelt step" "$BIN" bench --steps stock hybird
+  grep -q -- "--steps hybird: expected stock or hybrid" "$TMP/err.txt" || fail "bench --steps: $(cat "$TMP/err.txt")"
+  expect_error "bench with a rank outside the deployment" "$BIN" bench --tp 8 --dp 4 --rank 32
+  grep -q -- "--rank 32: expected 0..31" "$TMP/err.txt" || fail "bench --rank: $(cat "$TMP/err.txt")"
+  expect_error "bench --ops-only without --ops" "$BIN" bench --ops-only moe
+  grep -q -- "--ops-only moe needs --ops" "$TMP/err.txt" || fail "bench --ops-only: $(cat "$TMP/err.txt")"
+fi
 
 # ---- the tokenizer: make-model --tokenizer writes one beside the checkpoint; generate --text uses it
 run "make-model --tokenizer" /dev/null "$BIN" make-model --preset small --seed 0 --tokenizer --out "$TMP/small-tok"

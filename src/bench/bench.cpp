@@ -157,12 +157,58 @@ GpuFill random_fill(uint64_t seed, cudaStream_t s) {
 
 }  // namespace
 
-int run_bench(const BenchArgs& args) {
-  // The arguments first (no GPU needed to refuse them).
+void check_bench_args(const BenchArgs& args) {
+  const bool slice = args.preset == "k3-rank-slice" && args.model_dir.empty();
+  if (args.model_dir.empty()) {
+    K3_CHECK(args.preset == "k3-rank-slice" || args.preset == "tiny" || args.preset == "small",
+             "bench: --preset {}: expected k3-rank-slice, tiny or small", args.preset);
+    K3_CHECK(args.variant == "k3" || args.variant == "k3.1", "bench: --variant {}: expected k3 or k3.1", args.variant);
+  }
+  K3_CHECK(args.tp >= 1, "bench: --tp {}: expected 1 or more", args.tp);
+  K3_CHECK(args.dp >= 1, "bench: --dp {}: expected 1 or more", args.dp);
+  K3_CHECK(args.rank >= 0 && args.rank < args.tp * args.dp, "bench: --rank {}: expected 0..{} (tp {} x dp {})",
+           args.rank, args.tp * args.dp - 1, args.tp, args.dp);
+  K3_CHECK(!args.batches.empty(), "bench: --batches: expected at least one number of requests");
+  for (int b : args.batches) K3_CHECK(b >= 1, "bench: --batches {}: expected 1 or more requests", b);
+  K3_CHECK(!args.qs.empty(), "bench: --q: expected at least one number of tokens per request");
+  for (int q : args.qs) K3_CHECK(q >= 1, "bench: --q {}: expected 1 or more tokens per request", q);
+  K3_CHECK(args.context >= 0, "bench: --context {}: expected 0 or more cached tokens", args.context);
+  K3_CHECK(args.iters >= 1, "bench: --iters {}: expected 1 or more timed replays", args.iters);
+  K3_CHECK(args.warmup >= 0, "bench: --warmup {}: expected 0 or more replays", args.warmup);
+  K3_CHECK(args.shared_experts == "auto" || args.shared_experts == "replicated" || args.shared_experts == "tp",
+           "bench: --shared-experts {}: expected auto, replicated or tp", args.shared_experts);
+  K3_CHECK(!args.steps.empty(), "bench: --steps: expected stock and/or hybrid");
+  for (const std::string& st : args.steps) {
+    K3_CHECK(st == "stock" || st == "hybrid", "bench: --steps {}: expected stock or hybrid", st);
+    const StepKind kind = st == "stock" ? StepKind::Stock : StepKind::Hybrid;
+    validate(StepOptions{kind, 256, parse_shared_experts(args.shared_experts, kind)});
+  }
+  K3_CHECK(args.ops || args.ops_only.empty(), "bench: --ops-only {} needs --ops", args.ops_only);
+  K3_CHECK(args.ops_only.empty() || args.ops_only == "linear" || args.ops_only == "moe" || args.ops_only == "kda" ||
+               args.ops_only == "mla" || args.ops_only == "sampling" || args.ops_only == "dsa",
+           "bench: --ops-only takes linear, moe, kda, mla, sampling or dsa, not '{}'", args.ops_only);
   K3_CHECK(args.layer_copies >= 0, "bench: --layer-copies {}: expected 0 (every layer its own) or a positive count",
            args.layer_copies);
-  K3_CHECK(args.layer_copies == 0 || (!args.ops && args.preset == "k3-rank-slice" && args.model_dir.empty()),
+  K3_CHECK(args.layer_copies == 0 || (!args.ops && slice),
            "bench: --layer-copies is for the rank slice's random weights (--preset k3-rank-slice, no --model, no --ops)");
+  // The rank slice's layout, as the weights would be cut (heads, experts and vocabulary over the ranks).
+  if (slice && !args.ops) {
+    ShardSpec shard{args.tp, args.rank % args.tp, args.tp * args.dp, args.rank};
+    for (const std::string& st : args.steps) {
+      const StepKind kind = st == "stock" ? StepKind::Stock : StepKind::Hybrid;
+      shard.ffn_tp = parse_shared_experts(args.shared_experts, kind) == SharedExperts::Tp;
+      check_shardable(preset_config("full", args.variant), shard);
+    }
+  }
+  if (!args.json.empty()) {
+    std::ofstream out(args.json);
+    K3_CHECK(out.good(), "bench: --json {}: cannot write the file", args.json);
+    out << "[]\n";
+  }
+}
+
+int run_bench(const BenchArgs& args) {
+  check_bench_args(args);  // no GPU needed to refuse them
   ops::cuda::ScopedContext owned;
   ops::cuda::Context& ctx = owned.get();
   cudaStream_t s = reinterpret_cast<cudaStream_t>(ctx.stream);
@@ -171,8 +217,6 @@ int run_bench(const BenchArgs& args) {
   const double flops = measure_matrix_rate(ctx);
   fmt::print("BF16 matrix rate (cuBLASLt, 8192 x 8192 x 8192, FP32 accumulation): {:.0f} TFLOP/s\n", flops / 1e12);
   if (args.ops) return run_ops_bench(args, bw, flops, ctx);
-  K3_CHECK(args.shared_experts == "auto" || args.shared_experts == "replicated" || args.shared_experts == "tp",
-           "--shared-experts {}: expected auto | replicated | tp", args.shared_experts);
 
   ModelConfig c;
   ShardSpec shard;
@@ -262,8 +306,7 @@ int run_bench(const BenchArgs& args) {
   CUDA_CHECK(cudaEventCreate(&e1));
   for (const std::string& st : args.steps) {
     const StepKind kind = st == "stock" ? StepKind::Stock : StepKind::Hybrid;
-    const SharedExperts mode = parse_shared_experts(args.shared_experts, kind);
-    validate(StepOptions{kind, 256, mode});
+    const SharedExperts mode = parse_shared_experts(args.shared_experts, kind);  // (checked: check_bench_args)
     if (!rank || shard.ffn_tp != (mode == SharedExperts::Tp)) {
       shard.ffn_tp = mode == SharedExperts::Tp;
       build(shard.ffn_tp);

@@ -55,6 +55,14 @@ double step_bytes(const ModelConfig& c, const ShardSpec& shard, int B, int q, in
 // The median of repeated timings (the mean of the two middle values for an even count; 0 when empty).
 double median(std::vector<double> v);
 
+// Every argument checked before the GPU is touched (run_bench calls it first): a one-line k3::Error naming the
+// flag and the value (an unknown --preset, --variant, --steps or --ops-only section; --tp, --dp, --rank that
+// name no rank or a layout the rank slice cannot shard; --batches, --q, --iters below 1; --warmup or
+// --context below 0; --shared-experts not auto | replicated | tp, or tp with a stock step; --layer-copies
+// off the rank slice), so a typo never costs a weight build, nor runs another step under its name. With
+// --json it writes an empty list there, so a path that cannot be written fails here too.
+void check_bench_args(const BenchArgs& args);
+
 // Runs the benchmark, prints a table, writes JSON; returns 0.
 int run_bench(const BenchArgs& args);
 
