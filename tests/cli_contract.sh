@@ -125,6 +125,9 @@ grep -q -- '--preset: unknown preset "huge"' "$TMP/err.txt" || fail "unknown pre
 expect_error "unknown variant" "$BIN" generate --variant k4 --max-new 2
 grep -q -- '--variant: unknown variant "k4"' "$TMP/err.txt" || fail "unknown variant: the message names neither the flag nor the value"
 expect_error "make-model with an unknown preset" "$BIN" make-model --preset huge --out "$TMP/huge"
+# serve: a port past 65535 (it would bind another port modulo 2^16 and print the one asked for).
+expect_error "serve --port 70000" "$BIN" serve --port 70000
+grep -q -- "--port 70000: expected 0 (any free port) to 65535" "$TMP/err.txt" || fail "serve --port: $(cat "$TMP/err.txt")"
 # bench (CUDA builds): its arguments are refused before the GPU is touched, also where there is none.
 if "$BIN" bench --help >/dev/null 2>&1; then
   expect_error "bench with a misspelt step" "$BIN" bench --steps stock hybird

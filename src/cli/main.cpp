@@ -395,6 +395,7 @@ int main(int argc, char** argv) {
       K3_CHECK(scomm == "local" || scomm == "mpi" || scomm == "nccl", "--comm {}: expected local | mpi | nccl", scomm);
       K3_CHECK(scomm != "nccl" || sdevice == "gpu", "--comm nccl: with --device gpu (the CPU's is --comm mpi)");
       K3_CHECK(scomm != "mpi" || sdevice == "cpu", "--comm mpi: with --device cpu (the GPU's is --comm nccl)");
+      K3_CHECK(so.port >= 0 && so.port <= 65535, "--port {}: expected 0 (any free port) to 65535", so.port);
       slayout.validate();
       const StepKind kind = sstep == "stock" ? StepKind::Stock : sstep == "hybrid" ? StepKind::Hybrid : StepKind::Auto;
       const SharedExperts shared = parse_shared_experts(sshared, kind);
