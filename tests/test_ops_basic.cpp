@@ -6,8 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -875,6 +878,58 @@ TEST(OpsSampling, SampleNeeds) {
 
 // The parameters as a caller (the CLI) gives them: temperature 0 is greedy, so allowed there; NaN, inf and
 // negative temperatures and top-p outside (0, 1] are refused with one line naming the parameter.
+// top_logprobs against a float64 reference written from its contract: random rows (some with many ties, some
+// with NaN, +inf and -inf entries), each n; the ids by logit descending, ties to the lower id, the log p
+// against the float64 log-softmax, and bit for bit sample_rows' log-prob of the argmax.
+TEST(OpsSampling, TopLogprobsMatchFloat64Reference) {
+  using namespace sampling_ref;
+  Rng data(606);
+  for (int64_t V : {int64_t{1}, int64_t{9}, int64_t{300}, int64_t{4099}}) {
+    for (int kind = 0; kind < 3; ++kind) {  // plain, ties, special values
+      std::vector<float> l(static_cast<size_t>(V));
+      for (auto& x : l) {
+        x = static_cast<float>(data.normal() * 3.0);
+        if (kind == 1) x = std::round(x * 2.0f) / 2.0f;
+      }
+      if (kind == 2 && V > 3) {
+        l[static_cast<size_t>(data.below(V))] = NAN;
+        l[static_cast<size_t>(data.below(V))] = -INFINITY;
+        l[static_cast<size_t>(data.below(V))] = INFINITY;
+      }
+      // The reference: NaN as -inf, +inf as the largest float; order by (value desc, id asc).
+      std::vector<double> c(l.size());
+      for (size_t i = 0; i < l.size(); ++i)
+        c[i] = std::isnan(l[i]) ? -INFINITY : l[i] == INFINITY ? static_cast<double>(FLT_MAX) : l[i];
+      std::vector<int32_t> order(l.size());
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return c[a] > c[b]; });
+      const double mx = c[order[0]];
+      double z = 0;
+      for (double x : c) z += std::exp(x - mx);
+      SampleSpec greedy;
+      greedy.logprob = 1;
+      SampleResult arg;
+      k3::ops::sample_rows(l.data(), 1, V, &greedy, &arg);
+      for (int n : {0, 1, 5, static_cast<int>(std::min<int64_t>(V, 20))}) {
+        if (n > V) continue;
+        SCOPED_TRACE(testing::Message() << "V " << V << " kind " << kind << " n " << n);
+        const auto got = k3::ops::top_logprobs(l.data(), V, n);
+        ASSERT_EQ(got.size(), static_cast<size_t>(n));
+        for (int k = 0; k < n; ++k) {
+          EXPECT_EQ(got[k].token, order[k]) << k;
+          EXPECT_NEAR(got[k].logprob, c[order[k]] - mx - std::log(z), 1e-5) << k;
+        }
+        if (n > 0) {
+          EXPECT_EQ(got[0].token, arg.token);
+          EXPECT_EQ(std::memcmp(&got[0].logprob, &arg.logprob, sizeof(float)), 0) << got[0].logprob << " " << arg.logprob;
+        }
+      }
+    }
+  }
+  EXPECT_THROW(k3::ops::top_logprobs(nullptr, 4, 5), k3::Error);  // more than the vocabulary
+  EXPECT_THROW(k3::ops::top_logprobs(nullptr, 4, -1), k3::Error);
+}
+
 TEST(OpsSampling, CheckSamplingParams) {
   EXPECT_NO_THROW(k3::ops::check_sampling_params(0.0f, 1.0f));
   EXPECT_NO_THROW(k3::ops::check_sampling_params(0.7f, 0.9f));

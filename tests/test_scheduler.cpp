@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <thread>
 
 #include "io/synthetic.h"
@@ -48,6 +49,7 @@ GenerateResult alone(const ModelConfig& c, const std::vector<int32_t>& prompt, i
 struct Outcome {
   std::vector<int32_t> tokens;   // the concatenated stream
   std::vector<float> logprobs;
+  std::vector<std::vector<ops::TokenLogprob>> top_logprobs;
   FinishReason reason = FinishReason::None;
   int events = 0;
 };
@@ -64,6 +66,7 @@ struct Harness {
     int64_t id = sched.submit(std::move(r), [box](const RequestEvent& ev) {
       box->tokens.insert(box->tokens.end(), ev.tokens.begin(), ev.tokens.end());
       box->logprobs.insert(box->logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
+      box->top_logprobs.insert(box->top_logprobs.end(), ev.top_logprobs.begin(), ev.top_logprobs.end());
       ++box->events;
       if (ev.done) box->reason = ev.reason;
     });
@@ -363,6 +366,69 @@ TEST(Scheduler, Logprobs) {
     EXPECT_NEAR(o.logprobs[j], row[g.tokens[j]] - m - std::log(z), 1e-4) << j;
     EXPECT_LE(o.logprobs[j], 0.0f);
   }
+}
+
+// Top log-probs against generate()'s logits of the same positions: the n ids with the largest logits (ties to
+// the lower id), each with its log-softmax; greedy, so the sampled token leads each list with its logprob. A
+// request beside it without them, and a drafting server (verify rows), give the same tokens; a stop sequence
+// drops its tokens' lists with them.
+TEST(Scheduler, TopLogprobs) {
+  const ModelConfig& c = model("k3").config;
+  const std::vector<int32_t> prompt = {8, 6, 7, 5, 3, 0, 9};
+  const int n = 10, top = 4;
+  const GenerateResult g = alone(c, prompt, n, {}, /*keep_logits=*/true);
+  const int64_t V = c.vocab_size;
+  for (int draft : {0, 3}) {
+    SCOPED_TRACE(testing::Message() << "draft " << draft);
+    SchedulerOptions so;
+    so.draft_tokens = draft;
+    Harness h(c, opts(4), so);
+    Request r = greedy(prompt, n);
+    r.logprobs = true;
+    r.top_logprobs = top;
+    const int64_t id = h.submit(r);
+    const int64_t plain = h.submit(greedy(prompt, n));
+    h.drain();
+    const Outcome& o = h.get(id);
+    ASSERT_EQ(o.tokens, g.tokens);
+    EXPECT_EQ(h.get(plain).tokens, g.tokens);
+    EXPECT_TRUE(h.get(plain).top_logprobs.empty());
+    ASSERT_EQ(o.top_logprobs.size(), o.tokens.size());
+    for (int j = 0; j < n; ++j) {
+      const float* row = g.logits.data() + (static_cast<int64_t>(prompt.size()) - 1 + j) * V;
+      double m = -INFINITY, z = 0;
+      for (int64_t i = 0; i < V; ++i) m = std::max<double>(m, row[i]);
+      for (int64_t i = 0; i < V; ++i) z += std::exp(row[i] - m);
+      std::vector<int32_t> ids(static_cast<size_t>(V));
+      std::iota(ids.begin(), ids.end(), 0);
+      std::stable_sort(ids.begin(), ids.end(), [&](int32_t a, int32_t b) { return row[a] > row[b]; });
+      ASSERT_EQ(o.top_logprobs[j].size(), static_cast<size_t>(top)) << j;
+      for (int k = 0; k < top; ++k) {
+        EXPECT_EQ(o.top_logprobs[j][k].token, ids[k]) << j << " " << k;
+        EXPECT_NEAR(o.top_logprobs[j][k].logprob, row[ids[k]] - m - std::log(z), 1e-4) << j << " " << k;
+      }
+      EXPECT_EQ(o.top_logprobs[j][0].token, o.tokens[j]);
+      EXPECT_EQ(o.top_logprobs[j][0].logprob, o.logprobs[j]);
+    }
+  }
+  {  // a stop sequence: the tokens it takes back take their lists with them
+    Harness h(c, opts(2), {});
+    Request r = greedy(prompt, n);
+    r.logprobs = true;
+    r.top_logprobs = 2;
+    r.stop = {{g.tokens[3], g.tokens[4]}};
+    const int64_t id = h.submit(r);
+    h.drain();
+    EXPECT_EQ(h.get(id).tokens, std::vector<int32_t>(g.tokens.begin(), g.tokens.begin() + 3));
+    EXPECT_EQ(h.get(id).top_logprobs.size(), 3u);
+  }
+  Harness h(c, opts(2), {});
+  Request bad = greedy(prompt, n);
+  bad.top_logprobs = 2;  // without logprobs
+  EXPECT_THROW(h.submit(bad), SubmitError);
+  bad.logprobs = true;
+  bad.top_logprobs = kMaxTopLogprobs + 1;
+  EXPECT_THROW(h.submit(bad), SubmitError);
 }
 
 }  // namespace

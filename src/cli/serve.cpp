@@ -42,6 +42,9 @@ struct HttpError {
 }
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+// t as the client reads it: each invalid UTF-8 byte replaced (U+FFFD) as dump() writes it. Object keys are
+// compared so (two token texts that differ only in such bytes are one key on the wire).
+std::string as_sent(const std::string& t) { return json::parse(dump(json(t))).get<std::string>(); }
 
 void send_error(httplib::Response& res, const HttpError& e) {
   json err = {{"message", e.message},
@@ -68,6 +71,7 @@ size_t utf8_complete(const std::string& s) {
 struct Choice {
   std::vector<int32_t> tokens;
   std::vector<float> logprobs;
+  std::vector<std::vector<ops::TokenLogprob>> top_logprobs;
   FinishReason reason = FinishReason::None;
   std::string error;
 };
@@ -313,14 +317,28 @@ Request parse_common(const Server& s, const json& body, bool chat) {
     }
   }
   if (const json* v = field(body, "stream"); v && !v->is_boolean()) bad("stream must be a boolean", "stream");
+  // Completions: logprobs N (an integer) asks for the sampled token's log-probability and the N most likely
+  // tokens at each position. Chat: logprobs true, and top_logprobs N for the N most likely.
+  const auto top_n = [](const json& v, const char* name) {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxTopLogprobs)
+      bad(fmt::format("{} must be an integer in 0..{}", name, kMaxTopLogprobs), name);
+    return static_cast<int>(v.get<int64_t>());
+  };
   if (const json* v = field(body, "logprobs")) {
     if (v->is_boolean()) {
       r.logprobs = v->get<bool>();
-    } else if (v->is_number_integer() && v->get<int64_t>() >= 0) {
-      r.logprobs = true;  // top alternatives are not returned: the sampled token's log-probability only
+    } else if (!chat && v->is_number_integer()) {
+      r.logprobs = true;
+      r.top_logprobs = top_n(*v, "logprobs");
     } else {
-      bad("logprobs must be a boolean or an integer >= 0", "logprobs");
+      bad(chat ? "logprobs must be a boolean" : fmt::format("logprobs must be a boolean or an integer in 0..{}",
+                                                           kMaxTopLogprobs),
+          "logprobs");
     }
+  }
+  if (const json* v = field(body, "top_logprobs"); v && chat) {
+    r.top_logprobs = top_n(*v, "top_logprobs");
+    if (r.top_logprobs > 0 && !r.logprobs) bad("top_logprobs needs logprobs: true", "top_logprobs");
   }
   return r;
 }
@@ -518,23 +536,48 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
   size_t prompt_tokens = 0;  // each prompt once (its n choices share it), as OpenAI counts
   for (size_t i = 0; i < reqs.size(); i += static_cast<size_t>(n)) prompt_tokens += reqs[i].prompt.size();
 
-  auto logprob_json = [&s, chat, logprobs](std::span<const int32_t> toks, std::span<const float> lps) -> json {
+  // tops: with top_logprobs, one list per token (else empty).
+  auto logprob_json = [&s, chat, logprobs](std::span<const int32_t> toks, std::span<const float> lps,
+                                           std::span<const std::vector<ops::TokenLogprob>> tops) -> json {
     if (!logprobs) return nullptr;
+    const auto bytes = [](const std::string& t) { return std::vector<int>(t.begin(), t.end()); };
     if (chat) {
       json content = json::array();
       for (size_t k = 0; k < toks.size(); ++k) {
         const std::string t = s.token_text(toks[k]);
-        content.push_back({{"token", t},
-                           {"logprob", lps[k]},
-                           {"bytes", std::vector<int>(t.begin(), t.end())},
-                           {"top_logprobs", json::array()}});
+        json alts = json::array();
+        if (k < tops.size())
+          for (const ops::TokenLogprob& a : tops[k]) {
+            const std::string at = s.token_text(a.token);
+            alts.push_back({{"token", at}, {"logprob", a.logprob}, {"bytes", bytes(at)}});
+          }
+        content.push_back({{"token", t}, {"logprob", lps[k]}, {"bytes", bytes(t)}, {"top_logprobs", alts}});
       }
       return {{"content", content}};
     }
     json tokens = json::array();
     for (int32_t t : toks) tokens.push_back(s.token_text(t));
-    return {{"tokens", tokens}, {"token_logprobs", std::vector<float>(lps.begin(), lps.end())},
-            {"top_logprobs", nullptr}};
+    // Completions: a {text: log p} object per position (two ids of one text keep the likelier), and
+    // top_token_ids: the ids themselves, most likely first.
+    json top = nullptr, top_ids = nullptr;
+    if (!tops.empty()) {
+      top = json::array();
+      top_ids = json::array();
+      for (const auto& list : tops) {
+        json o = json::object(), ids = json::array();
+        for (const ops::TokenLogprob& a : list) {
+          const std::string key = as_sent(s.token_text(a.token));
+          if (!o.contains(key)) o[key] = a.logprob;
+          ids.push_back(a.token);
+        }
+        top.push_back(o);
+        top_ids.push_back(ids);
+      }
+    }
+    json out = {{"tokens", tokens}, {"token_logprobs", std::vector<float>(lps.begin(), lps.end())},
+                {"top_logprobs", top}};
+    if (!tops.empty()) out["top_token_ids"] = top_ids;
+    return out;
   };
 
   if (!stream) {
@@ -556,6 +599,7 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
       for (auto& [i, ev] : box->events) {
         choices[i].tokens.insert(choices[i].tokens.end(), ev.tokens.begin(), ev.tokens.end());
         choices[i].logprobs.insert(choices[i].logprobs.end(), ev.logprobs.begin(), ev.logprobs.end());
+        choices[i].top_logprobs.insert(choices[i].top_logprobs.end(), ev.top_logprobs.begin(), ev.top_logprobs.end());
         if (ev.done) {
           choices[i].reason = ev.reason;
           choices[i].error = ev.error;
@@ -569,7 +613,7 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
       if (c.reason == FinishReason::Error) throw HttpError{500, c.error, "server_error", "", "step_failed"};
       completion += c.tokens.size();
       json ch = {{"index", i}, {"token_ids", c.tokens}, {"finish_reason", finish_name(c.reason)},
-                 {"logprobs", logprob_json(c.tokens, c.logprobs)}};
+                 {"logprobs", logprob_json(c.tokens, c.logprobs, c.top_logprobs)}};
       const std::string text = s.text_of(c.tokens);
       if (chat)
         ch["message"] = {{"role", "assistant"}, {"content", text}};
@@ -624,7 +668,7 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
           c.pending_bytes = bytes.substr(cut);
           const std::string text = bytes.substr(0, cut);
           json ch = {{"index", i}, {"token_ids", ev.tokens}, {"finish_reason", ev.done ? finish_name(ev.reason) : json(nullptr)},
-                     {"logprobs", logprob_json(ev.tokens, ev.logprobs)}};
+                     {"logprobs", logprob_json(ev.tokens, ev.logprobs, ev.top_logprobs)}};
           if (chat) {
             json delta = json::object();
             if (!(*sent_role)[i]) {

@@ -114,6 +114,27 @@ SampleResult sample_row(const float* raw, int64_t V, const SampleSpec& s) {
 
 }  // namespace
 
+std::vector<TokenLogprob> top_logprobs(const float* raw, int64_t V, int n) {
+  K3_CHECK(V >= 1 && n >= 0 && n <= V, "top_logprobs: {} of a vocabulary of {}", n, V);
+  std::vector<float> l(static_cast<size_t>(V));
+  for (int64_t i = 0; i < V; ++i) l[i] = clean(raw[i]);
+  // The normalizer as sample_row sums it (the same order, in double), so that the log p are its bits.
+  const double m = *std::max_element(l.begin(), l.end());
+  double z1 = 0.0;
+  if (m != -INFINITY)
+    for (int64_t i = 0; i < V; ++i) z1 += std::exp(l[i] - m);
+  std::vector<int32_t> order(static_cast<size_t>(V));
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + n, order.end(),
+                    [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+  std::vector<TokenLogprob> out(static_cast<size_t>(n));
+  for (int k = 0; k < n; ++k) {
+    const int32_t t = order[static_cast<size_t>(k)];
+    out[static_cast<size_t>(k)] = {t, m == -INFINITY ? -INFINITY : static_cast<float>(l[t] - m - std::log(z1))};
+  }
+  return out;
+}
+
 void sample_rows(const float* logits, int64_t rows, int64_t vocab, const SampleSpec* spec, SampleResult* out) {
   check_specs(spec, rows, vocab);
   for (int64_t r = 0; r < rows; ++r) out[r] = sample_row(logits + r * vocab, vocab, spec[r]);

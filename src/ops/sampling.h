@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "ops/cuda_context.h"
 
@@ -56,6 +57,17 @@ void check_sampling_params(float temperature, float top_p);
 void sample_rows(const float* logits, int64_t rows, int64_t vocab, const SampleSpec* spec, SampleResult* out);
 // Those checks alone (the GPU callers run them on the host specs before uploading).
 void check_specs(const SampleSpec* spec, int64_t rows, int64_t vocab);
+
+// A token with its log-probability under softmax of the raw logits (temperature 1, as SampleResult::logprob).
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+};
+// The n most likely tokens of one row of logits [vocab] (NaN as -inf, +inf as the largest finite float, as
+// sample_rows): by logit descending, ties to the lower id, each with its log p, bit for bit the
+// SampleResult::logprob sample_rows gives that token (a row of -inf: every log p -inf). 0 <= n <= vocab.
+// Host only: the Scheduler's top log-probs take a step's logits to the host (Decoder::step).
+std::vector<TokenLogprob> top_logprobs(const float* logits, int64_t vocab, int n);
 
 // What a batch of specs needs beyond the argmax, for the device launcher (ops::cuda::sample_rows), which skips
 // the phases no row needs: sampled (a row with temperature > 0), top_p (a sampled row with top_p < 1), logprob

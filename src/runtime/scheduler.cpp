@@ -28,6 +28,7 @@ struct Scheduler::Live {
   std::vector<int32_t> context;  // prompt + generated
   std::vector<int32_t> out;      // generated
   std::vector<float> lps;
+  std::vector<std::vector<ops::TokenLogprob>> tops;  // with req.top_logprobs: one list per generated token
   size_t emitted = 0;
   Rng rng{0};
   bool done = false;
@@ -87,6 +88,11 @@ int64_t Scheduler::submit(Request req, RequestCallback callback) {
     }
     if (req.sampling.temperature <= 0) req.sampling.greedy = true;
   }
+  if (req.top_logprobs < 0 || req.top_logprobs > kMaxTopLogprobs)
+    refuse(SubmitError::Kind::Invalid,
+           fmt::format("top_logprobs {} must be in 0..{}", req.top_logprobs, kMaxTopLogprobs));
+  if (req.top_logprobs > 0 && !req.logprobs)
+    refuse(SubmitError::Kind::Invalid, "top_logprobs needs logprobs");
   for (const auto& s : req.stop) {
     if (s.empty()) refuse(SubmitError::Kind::Invalid, "a stop sequence is empty");
     for (int32_t t : s)
@@ -140,6 +146,8 @@ void Scheduler::emit(Live& r) {
   ev.tokens.assign(r.out.begin() + static_cast<int64_t>(r.emitted), r.out.begin() + static_cast<int64_t>(upto));
   if (r.req.logprobs)
     ev.logprobs.assign(r.lps.begin() + static_cast<int64_t>(r.emitted), r.lps.begin() + static_cast<int64_t>(upto));
+  if (r.req.top_logprobs > 0)
+    ev.top_logprobs.assign(r.tops.begin() + static_cast<int64_t>(r.emitted), r.tops.begin() + static_cast<int64_t>(upto));
   r.emitted = upto;
   if (r.cb) r.cb(ev);
 }
@@ -151,6 +159,7 @@ void Scheduler::finish(Live& r, FinishReason reason, const std::string& error) {
   if (reason != FinishReason::Cancelled && reason != FinishReason::Error && r.out.size() > r.emitted) {
     ev.tokens.assign(r.out.begin() + static_cast<int64_t>(r.emitted), r.out.end());
     if (r.req.logprobs) ev.logprobs.assign(r.lps.begin() + static_cast<int64_t>(r.emitted), r.lps.end());
+    if (r.req.top_logprobs > 0) ev.top_logprobs.assign(r.tops.begin() + static_cast<int64_t>(r.emitted), r.tops.end());
     r.emitted = r.out.size();
   }
   ev.done = true;
@@ -172,9 +181,10 @@ void Scheduler::finish(Live& r, FinishReason reason, const std::string& error) {
 }
 
 // Appends one generated token; finishes the request on eos, a completed stop sequence or max_tokens.
-void Scheduler::append_token(Live& r, int32_t tok, float logprob) {
+void Scheduler::append_token(Live& r, int32_t tok, float logprob, std::vector<ops::TokenLogprob> top) {
   r.out.push_back(tok);
   r.lps.push_back(logprob);
+  if (r.req.top_logprobs > 0) r.tops.push_back(std::move(top));
   r.context.push_back(tok);
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -185,6 +195,7 @@ void Scheduler::append_token(Live& r, int32_t tok, float logprob) {
     if (r.out.size() >= s.size() && std::equal(s.begin(), s.end(), r.out.end() - static_cast<int64_t>(s.size()))) {
       r.out.resize(r.out.size() - s.size());  // a stop sequence is not part of the output
       r.lps.resize(r.out.size());
+      if (r.req.top_logprobs > 0) r.tops.resize(r.out.size());
       return finish(r, FinishReason::Stop);
     }
   if (static_cast<int>(r.out.size()) >= r.req.max_tokens) return finish(r, FinishReason::Length);
@@ -218,21 +229,44 @@ ops::SampleSpec Scheduler::spec_of(const Live& r, int32_t draft, Rng& rng) {
   return s;
 }
 
+std::vector<ops::SampleResult> Scheduler::sample_step(std::span<const int> slots, int q,
+                                                     std::span<const int32_t> tokens,
+                                                     std::span<const ops::SampleSpec> specs, std::span<const int> top,
+                                                     std::vector<std::vector<ops::TokenLogprob>>& tops) {
+  tops.assign(specs.size(), {});
+  if (std::all_of(top.begin(), top.end(), [](int n) { return n == 0; }))
+    return dec_.step_sample(slots, q, tokens, specs);
+  const int64_t V = dec_.config().vocab_size, rows = static_cast<int64_t>(specs.size());
+  ops::check_specs(specs.data(), rows, V);  // as step_sample: before the step runs
+  const std::vector<float> logits = dec_.step(slots, q, tokens);
+  std::vector<ops::SampleResult> out(specs.size());
+  ops::sample_rows(logits.data(), rows, V, specs.data(), out.data());
+  for (size_t i = 0; i < specs.size(); ++i)
+    if (top[i] > 0) tops[i] = ops::top_logprobs(logits.data() + static_cast<int64_t>(i) * V, V, top[i]);
+  return out;
+}
+
 bool Scheduler::step_prefill(std::vector<Live*>& group) {
   int q = dec_.max_q();
   for (Live* r : group) q = std::min<int>(q, static_cast<int>(r->req.prompt.size() - r->fed));
   std::vector<int> slots;
   std::vector<int32_t> tokens;
   std::vector<ops::SampleSpec> specs;  // greedy, except the last row of a request whose prompt completes
+  std::vector<int> top;                // that row's top log-probs asked for
   for (Live* r : group) {
     slots.push_back(r->slot);
     tokens.insert(tokens.end(), r->req.prompt.begin() + static_cast<int64_t>(r->fed),
                   r->req.prompt.begin() + static_cast<int64_t>(r->fed) + q);
     specs.resize(specs.size() + static_cast<size_t>(q));
-    if (r->fed + static_cast<size_t>(q) == r->req.prompt.size()) specs.back() = spec_of(*r, -1, r->rng);
+    top.resize(specs.size());
+    if (r->fed + static_cast<size_t>(q) == r->req.prompt.size()) {
+      specs.back() = spec_of(*r, -1, r->rng);
+      top.back() = r->req.top_logprobs;
+    }
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const std::vector<ops::SampleResult> out = dec_.step_sample(slots, q, tokens, specs);
+  std::vector<std::vector<ops::TokenLogprob>> tops;
+  const std::vector<ops::SampleResult> out = sample_step(slots, q, tokens, specs, top, tops);
   dec_.commit(slots, q);
   const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   {
@@ -249,8 +283,8 @@ bool Scheduler::step_prefill(std::vector<Live*>& group) {
     Live& r = *group[b];
     r.fed += static_cast<size_t>(q);
     if (r.fed < r.req.prompt.size()) continue;
-    const ops::SampleResult& s = out[b * static_cast<size_t>(q) + static_cast<size_t>(q) - 1];
-    append_token(r, s.token, s.logprob);
+    const size_t row = b * static_cast<size_t>(q) + static_cast<size_t>(q) - 1;
+    append_token(r, out[row].token, out[row].logprob, std::move(tops[row]));
     if (!r.done) emit(r);
   }
   return true;
@@ -276,6 +310,7 @@ bool Scheduler::step_decode(std::vector<Live*>& group) {
   // Row j <= drafts of a request: its draft j (none at the last); the uniforms come from a copy of its
   // stream, which advances by two per token kept. Padding rows: greedy.
   std::vector<ops::SampleSpec> specs;
+  std::vector<int> top;  // each row's top log-probs asked for (padding rows: none)
   for (size_t b = 0; b < group.size(); ++b) {
     Live& r = *group[b];
     if (static_cast<int>(drafts[b].size()) > q - 1) drafts[b].resize(static_cast<size_t>(q - 1));
@@ -286,10 +321,13 @@ bool Scheduler::step_decode(std::vector<Live*>& group) {
     Rng peek = r.rng;
     for (size_t j = 0; j <= drafts[b].size(); ++j)
       specs.push_back(spec_of(r, j < drafts[b].size() ? drafts[b][j] : -1, peek));
+    top.resize(specs.size(), r.req.top_logprobs);
     specs.resize(specs.size() + static_cast<size_t>(q) - 1 - drafts[b].size());
+    top.resize(specs.size(), 0);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  const std::vector<ops::SampleResult> out = dec_.step_sample(slots, q, tokens, specs);
+  std::vector<std::vector<ops::TokenLogprob>> tops;
+  const std::vector<ops::SampleResult> out = sample_step(slots, q, tokens, specs, top, tops);
   std::vector<int> counts(group.size(), 1);
   int64_t produced = 0, proposed = 0, accepted = 0;
   double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -299,13 +337,14 @@ bool Scheduler::step_decode(std::vector<Live*>& group) {
     proposed += static_cast<int64_t>(d.size());
     int n = 0;
     for (size_t j = 0; j <= d.size() && !r.done; ++j) {
-      const ops::SampleResult& s = out[b * static_cast<size_t>(q) + j];
+      const size_t row = b * static_cast<size_t>(q) + j;
+      const ops::SampleResult& s = out[row];
       const bool take_draft = j < d.size() && s.accepted;
       ++n;
       r.rng.uniform();  // the row's two uniforms
       r.rng.uniform();
       accepted += take_draft;
-      append_token(r, s.token, s.logprob);
+      append_token(r, s.token, s.logprob, std::move(tops[row]));
       if (!take_draft) break;
     }
     counts[b] = n;

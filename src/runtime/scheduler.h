@@ -78,12 +78,18 @@ struct Request {
   SamplingParams sampling;                    // greedy, temperature, top_p, seed, stop_at_eos
   std::vector<std::vector<int32_t>> stop;     // stop sequences (token ids): not part of the output
   bool logprobs = false;
+  // With logprobs: the n most likely tokens at each generated position too (0..kMaxTopLogprobs). A step that
+  // has such a request takes its logits to the host (Decoder::step) and samples there (ops::sample_rows,
+  // the reference of the device sampler: the same tokens up to rounding at a draw's boundary).
+  int top_logprobs = 0;
 };
+constexpr int kMaxTopLogprobs = 20;
 
 // What a request's callback receives, on the scheduler thread (keep it short).
 struct RequestEvent {
   std::vector<int32_t> tokens;  // new tokens, in order
   std::vector<float> logprobs;  // with Request::logprobs: one per token
+  std::vector<std::vector<ops::TokenLogprob>> top_logprobs;  // with Request::top_logprobs: one list per token
   bool done = false;
   FinishReason reason = FinishReason::None;
   std::string error;            // reason Error
@@ -149,7 +155,12 @@ class Scheduler {
   void finish(Live& r, FinishReason reason, const std::string& error = {});
   void emit(Live& r);  // the new tokens no stop sequence may still claim
   void reap();         // releases the slots of finished requests
-  void append_token(Live& r, int32_t tok, float logprob);
+  void append_token(Live& r, int32_t tok, float logprob, std::vector<ops::TokenLogprob> top);
+  // Decoder::step_sample, or (a row asking for top log-probs, top[row] > 0) Decoder::step, ops::sample_rows
+  // and ops::top_logprobs on the host; tops[row] holds that row's list.
+  std::vector<ops::SampleResult> sample_step(std::span<const int> slots, int q, std::span<const int32_t> tokens,
+                                             std::span<const ops::SampleSpec> specs, std::span<const int> top,
+                                             std::vector<std::vector<ops::TokenLogprob>>& tops);
   // A row's spec (ops/sampling.h) for a request: its sampling parameters, the draft (-1: none), two
   // uniforms drawn from `rng` (a copy of the request's stream: step_decode advances the real one by two per
   // token it keeps).

@@ -119,6 +119,44 @@ ok('streaming completions equal the non-streamed ones');
   const b = await small.completions.create({ model: 'x', prompt: texts[1], max_tokens: 16, temperature: 1.2, seed: 7 });
   assert.deepEqual(a.choices[0].token_ids, b.choices[0].token_ids);
   ok('logprobs; seeded sampling repeats');
+  // Top log-probs: logprobs N gives each position's N most likely tokens; greedy, so the sampled one leads
+  // with its own log-prob; streamed, the same lists.
+  const t = await small.completions.create({ model: 'x', prompt: texts[0], max_tokens: 8, temperature: 0, logprobs: 3 });
+  const lp = t.choices[0].logprobs;
+  assert.deepEqual(t.choices[0].token_ids, r.choices[0].token_ids, 'top log-probs change no token');
+  assert.equal(lp.top_logprobs.length, 8);
+  assert.equal(lp.top_token_ids.length, 8);
+  for (let k = 0; k < 8; ++k) {
+    const ids = lp.top_token_ids[k], alts = lp.top_logprobs[k];
+    assert.equal(ids.length, 3);
+    assert.equal(ids[0], t.choices[0].token_ids[k]);
+    const vals = Object.values(alts);
+    assert.ok(vals.length >= 1 && vals.length <= 3 && vals.every((v) => v <= 0 && Number.isFinite(v)));
+    assert.equal(Math.max(...vals), lp.token_logprobs[k]);
+  }
+  const ts = await small.completions.create({ model: 'x', prompt: texts[0], max_tokens: 8, temperature: 0, logprobs: 3,
+                                             stream: true });
+  let streamedIds = [];
+  for await (const chunk of ts) streamedIds = streamedIds.concat(chunk.choices[0].logprobs.top_token_ids);
+  assert.deepEqual(streamedIds, lp.top_token_ids);
+  const c = await small.chat.completions.create({ model: 'x', messages: [{ role: 'user', content: texts[0] }],
+                                                 max_tokens: 6, temperature: 0, logprobs: true, top_logprobs: 2 });
+  for (const e of c.choices[0].logprobs.content) {
+    assert.equal(e.top_logprobs.length, 2);
+    assert.equal(e.top_logprobs[0].token, e.token);
+    assert.equal(e.top_logprobs[0].logprob, e.logprob);
+    assert.ok(e.top_logprobs[1].logprob <= e.top_logprobs[0].logprob);
+  }
+  for (const [path, body, param] of [
+    ['/v1/completions', { prompt: [1, 2], logprobs: 21 }, 'logprobs'],
+    ['/v1/chat/completions', { messages: [{ role: 'user', content: 'x' }], top_logprobs: 2 }, 'top_logprobs'],
+    ['/v1/chat/completions', { messages: [{ role: 'user', content: 'x' }], logprobs: 3 }, 'logprobs']]) {
+    const res = await fetch(`${smallUrl}${path}`, { method: 'POST', headers: { 'content-type': 'application/json' },
+                                                    body: JSON.stringify(body) });
+    assert.equal(res.status, 400, JSON.stringify(body));
+    assert.equal((await res.json()).error.param, param);
+  }
+  ok('top log-probs: completions logprobs N and chat top_logprobs, streamed and not; out of range refused');
   // n choices: choice j samples with seed + j, so choice 0 is the n = 1 answer and choice 2 is seed + 2's.
   const many = await small.completions.create({ model: 'x', prompt: texts[1], max_tokens: 16, temperature: 1.2,
                                                 seed: 7, n: 3 });
@@ -320,7 +358,8 @@ ok(`${bads.length + 2} bad requests answered 4xx with an OpenAI error; the serve
                   'z'.repeat(5000), Array(300).fill(7)];
   const completionFields = ['prompt', 'max_tokens', 'temperature', 'top_p', 'seed', 'stop', 'stream', 'logprobs',
                             'n', 'ignore_eos', 'stream_options', 'model', 'unknown_field'];
-  const chatFields = ['messages', 'max_tokens', 'temperature', 'top_p', 'seed', 'stop', 'stream', 'n'];
+  const chatFields = ['messages', 'max_tokens', 'temperature', 'top_p', 'seed', 'stop', 'stream', 'n', 'logprobs',
+                      'top_logprobs'];
   const raws = ['', '{', '{"prompt": [1, 2]', 'null', '"text"', '[' .repeat(20000) + ']'.repeat(20000),
                 `{"prompt": [1, 2], "max_tokens": 1, "x": ${'['.repeat(5000)}${']'.repeat(5000)}}`,
                 '{"prompt": [1, 2], "max_tokens": 1}' + ' '.repeat(100000), '{"prompt": "\\ud800"}',
