@@ -540,7 +540,11 @@ void handle_generation(Server& s, const httplib::Request& hreq, httplib::Respons
   auto logprob_json = [&s, chat, logprobs](std::span<const int32_t> toks, std::span<const float> lps,
                                            std::span<const std::vector<ops::TokenLogprob>> tops) -> json {
     if (!logprobs) return nullptr;
-    const auto bytes = [](const std::string& t) { return std::vector<int>(t.begin(), t.end()); };
+    const auto bytes = [](const std::string& t) {  // 0..255 each (char may be signed)
+      std::vector<int> b;
+      for (char ch : t) b.push_back(static_cast<unsigned char>(ch));
+      return b;
+    };
     if (chat) {
       json content = json::array();
       for (size_t k = 0; k < toks.size(); ++k) {

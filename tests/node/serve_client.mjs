@@ -140,13 +140,19 @@ ok('streaming completions equal the non-streamed ones');
   for await (const chunk of ts) streamedIds = streamedIds.concat(chunk.choices[0].logprobs.top_token_ids);
   assert.deepEqual(streamedIds, lp.top_token_ids);
   const c = await small.chat.completions.create({ model: 'x', messages: [{ role: 'user', content: texts[0] }],
-                                                 max_tokens: 6, temperature: 0, logprobs: true, top_logprobs: 2 });
+                                                 max_tokens: 8, temperature: 0, logprobs: true, top_logprobs: 20 });
+  let highBytes = 0;
   for (const e of c.choices[0].logprobs.content) {
-    assert.equal(e.top_logprobs.length, 2);
+    for (const x of [e, ...e.top_logprobs]) {
+      assert.ok(x.bytes.every((b) => Number.isInteger(b) && b >= 0 && b <= 255), JSON.stringify(x.bytes));
+      highBytes += x.bytes.filter((b) => b >= 128).length;
+    }
+    assert.equal(e.top_logprobs.length, 20);
     assert.equal(e.top_logprobs[0].token, e.token);
     assert.equal(e.top_logprobs[0].logprob, e.logprob);
     assert.ok(e.top_logprobs[1].logprob <= e.top_logprobs[0].logprob);
   }
+  assert.ok(highBytes > 0, 'no byte >= 128 among the tokens: the bytes check would not see a sign error');
   for (const [path, body, param] of [
     ['/v1/completions', { prompt: [1, 2], logprobs: 21 }, 'logprobs'],
     ['/v1/chat/completions', { messages: [{ role: 'user', content: 'x' }], top_logprobs: 2 }, 'top_logprobs'],
