@@ -181,7 +181,12 @@ void check_bench_args(const BenchArgs& args) {
   for (const std::string& st : args.steps) {
     K3_CHECK(st == "stock" || st == "hybrid", "bench: --steps {}: expected stock or hybrid", st);
     const StepKind kind = st == "stock" ? StepKind::Stock : StepKind::Hybrid;
-    validate(StepOptions{kind, 256, parse_shared_experts(args.shared_experts, kind)});
+    const SharedExperts mode = parse_shared_experts(args.shared_experts, kind);
+    validate(StepOptions{kind, 256, mode});
+    // The rank slice's layout, as this step's weights would be cut (heads, experts, vocabulary over the ranks).
+    if (slice && !args.ops)
+      check_shardable(preset_config("full", args.variant),
+                      ShardSpec{args.tp, args.rank % args.tp, args.tp * args.dp, args.rank, mode == SharedExperts::Tp});
   }
   K3_CHECK(args.ops || args.ops_only.empty(), "bench: --ops-only {} needs --ops", args.ops_only);
   K3_CHECK(args.ops_only.empty() || args.ops_only == "linear" || args.ops_only == "moe" || args.ops_only == "kda" ||
@@ -191,15 +196,6 @@ void check_bench_args(const BenchArgs& args) {
            args.layer_copies);
   K3_CHECK(args.layer_copies == 0 || (!args.ops && slice),
            "bench: --layer-copies is for the rank slice's random weights (--preset k3-rank-slice, no --model, no --ops)");
-  // The rank slice's layout, as the weights would be cut (heads, experts and vocabulary over the ranks).
-  if (slice && !args.ops) {
-    ShardSpec shard{args.tp, args.rank % args.tp, args.tp * args.dp, args.rank};
-    for (const std::string& st : args.steps) {
-      const StepKind kind = st == "stock" ? StepKind::Stock : StepKind::Hybrid;
-      shard.ffn_tp = parse_shared_experts(args.shared_experts, kind) == SharedExperts::Tp;
-      check_shardable(preset_config("full", args.variant), shard);
-    }
-  }
   if (!args.json.empty()) {
     std::ofstream out(args.json);
     K3_CHECK(out.good(), "bench: --json {}: cannot write the file", args.json);

@@ -45,9 +45,30 @@ namespace {
 
 float clean(float v) { return std::isnan(v) ? -INFINITY : v == INFINITY ? FLT_MAX : v; }
 
-SampleResult sample_row(const float* raw, int64_t V, const SampleSpec& s) {
+// A row's values as the op reads them (NaN as -inf, +inf as the largest finite float).
+std::vector<float> cleaned(const float* raw, int64_t V) {
   std::vector<float> l(static_cast<size_t>(V));
   for (int64_t i = 0; i < V; ++i) l[i] = clean(raw[i]);
+  return l;
+}
+
+// The log-probabilities under softmax of the raw (cleaned) logits l, m their maximum: log p(t) =
+// l[t] - m - log sum exp(l - m). One definition, so that sample_row's log-prob and top_logprobs' give a token
+// the same bits; the sum is taken once per row.
+struct LogProbs {
+  const std::vector<float>& l;
+  double m, log_z = 0.0;
+  LogProbs(const std::vector<float>& logits, double max) : l(logits), m(max) {
+    if (m == -INFINITY) return;
+    double z1 = 0.0;
+    for (float x : l) z1 += std::exp(x - m);
+    log_z = std::log(z1);
+  }
+  float operator()(int64_t t) const { return m == -INFINITY ? -INFINITY : static_cast<float>(l[t] - m - log_z); }
+};
+
+SampleResult sample_row(const float* raw, int64_t V, const SampleSpec& s) {
+  const std::vector<float> l = cleaned(raw, V);
   int64_t best = 0;
   for (int64_t i = 1; i < V; ++i)
     if (l[i] > l[best]) best = i;  // strict: ties keep the lower id
@@ -100,15 +121,7 @@ SampleResult sample_row(const float* raw, int64_t V, const SampleSpec& s) {
       out.token = static_cast<int32_t>(pick >= 0 ? pick : best);
     }
   }
-  if (s.logprob) {
-    if (m == -INFINITY) {
-      out.logprob = -INFINITY;
-    } else {
-      double z1 = 0.0;
-      for (int64_t i = 0; i < V; ++i) z1 += std::exp(l[i] - m);
-      out.logprob = static_cast<float>(l[out.token] - m - std::log(z1));
-    }
-  }
+  if (s.logprob) out.logprob = LogProbs(l, m)(out.token);
   return out;
 }
 
@@ -116,21 +129,17 @@ SampleResult sample_row(const float* raw, int64_t V, const SampleSpec& s) {
 
 std::vector<TokenLogprob> top_logprobs(const float* raw, int64_t V, int n) {
   K3_CHECK(V >= 1 && n >= 0 && n <= V, "top_logprobs: {} of a vocabulary of {}", n, V);
-  std::vector<float> l(static_cast<size_t>(V));
-  for (int64_t i = 0; i < V; ++i) l[i] = clean(raw[i]);
-  // The normalizer as sample_row sums it (the same order, in double), so that the log p are its bits.
+  const std::vector<float> l = cleaned(raw, V);
   const double m = *std::max_element(l.begin(), l.end());
-  double z1 = 0.0;
-  if (m != -INFINITY)
-    for (int64_t i = 0; i < V; ++i) z1 += std::exp(l[i] - m);
   std::vector<int32_t> order(static_cast<size_t>(V));
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + n, order.end(),
                     [&](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+  const LogProbs log_p(l, m);
   std::vector<TokenLogprob> out(static_cast<size_t>(n));
   for (int k = 0; k < n; ++k) {
     const int32_t t = order[static_cast<size_t>(k)];
-    out[static_cast<size_t>(k)] = {t, m == -INFINITY ? -INFINITY : static_cast<float>(l[t] - m - std::log(z1))};
+    out[static_cast<size_t>(k)] = {t, log_p(t)};
   }
   return out;
 }
